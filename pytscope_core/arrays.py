@@ -1,0 +1,153 @@
+"""Dense (steps x ranks) arrays of a run, built from the record rows of every rank: what analysis consumes.
+
+Rows may come in any order, from any number of segments (launches). When a step was recorded twice for a
+rank (a resume replayed steps done after the last checkpoint), the row of the later segment counts and the
+earlier one is kept apart as *replayed* work, which goodput charges as lost time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .records import COL, NCOLS, PHASE_COLS
+
+
+@dataclass(frozen=True)
+class RunArrays:
+    steps: np.ndarray  # (S,) int64, sorted step indices present on any rank
+    ranks: np.ndarray  # (R,) int64 rank ids, sorted
+    phases: np.ndarray  # (S, R, P) float64 ms in PHASES order; NaN where a rank has no record
+    wall_ms: np.ndarray  # (S, R)
+    start_s: np.ndarray  # (S, R)
+    excluded_ms: np.ndarray  # (S, R)
+    loss: np.ndarray  # (S, R)
+    samples: np.ndarray  # (S, R)
+    mem_bytes: np.ndarray  # (S, R)
+    grad_syncs: np.ndarray  # (S, R)
+    micro_batches: np.ndarray  # (S, R)
+    segment: np.ndarray  # (S, R) float64, NaN where missing
+    counted: np.ndarray  # (S,) bool: step is past the warm-up of its segment (statistics use these)
+    replayed: np.ndarray = field(default_factory=lambda: np.empty((0, NCOLS)))  # rows superseded by a resume
+
+    @property
+    def n_steps(self) -> int:
+        return int(self.steps.size)
+
+    @property
+    def world_size(self) -> int:
+        return int(self.ranks.size)
+
+    @property
+    def comm_ms(self) -> np.ndarray:
+        return self.phases[:, :, PHASE_COLS.index(COL["comm_ms"])]
+
+    @property
+    def local_ms(self) -> np.ndarray:
+        """A rank's own work in a step: its wall time less the time it was blocked in gradient communication."""
+        return self.wall_ms - self.comm_ms
+
+    @classmethod
+    def from_rows(cls, rows: np.ndarray, warmup: int = 5) -> RunArrays:
+        rows = np.asarray(rows, dtype=np.float64).reshape(-1, NCOLS)
+        rows = rows[np.isfinite(rows[:, COL["step"]]) & np.isfinite(rows[:, COL["rank"]])]
+        rows, replayed = _latest_per_rank_step(rows)
+        rank_col = rows[:, COL["rank"]].astype(np.int64)
+        step_col = rows[:, COL["step"]].astype(np.int64)
+        ranks = np.unique(rank_col)
+        steps = np.unique(step_col)
+        si = np.searchsorted(steps, step_col)
+        ri = np.searchsorted(ranks, rank_col)
+        dense = np.full((steps.size, ranks.size, NCOLS), np.nan)
+        dense[si, ri] = rows
+
+        segment = dense[:, :, COL["segment"]]
+        return cls(
+            steps=steps,
+            ranks=ranks,
+            phases=dense[:, :, list(PHASE_COLS)],
+            wall_ms=dense[:, :, COL["wall_ms"]],
+            start_s=dense[:, :, COL["start_s"]],
+            excluded_ms=dense[:, :, COL["excluded_ms"]],
+            loss=dense[:, :, COL["loss"]],
+            samples=dense[:, :, COL["samples"]],
+            mem_bytes=dense[:, :, COL["mem_bytes"]],
+            grad_syncs=dense[:, :, COL["grad_syncs"]],
+            micro_batches=dense[:, :, COL["micro_batches"]],
+            segment=segment,
+            counted=_past_warmup(steps, segment, warmup),
+            replayed=replayed,
+        )
+
+    @classmethod
+    def from_arrays(
+        cls,
+        phases: np.ndarray,
+        *,
+        loss: np.ndarray | None = None,
+        samples: np.ndarray | None = None,
+        mem_bytes: np.ndarray | None = None,
+        first_step: int = 1,
+        warmup: int = 0,
+        **extra: Any,
+    ) -> RunArrays:
+        """Build from synthetic arrays (tests, simulations): `phases` is (steps, ranks, 6) in ms.
+
+        Wall time is the sum of the phases; `loss`, `samples`, `mem_bytes` are (steps,) or (steps, ranks).
+        """
+        phases = np.asarray(phases, dtype=np.float64)
+        s, r, _ = phases.shape
+
+        def per_rank(a: np.ndarray | None, fill: float) -> np.ndarray:
+            if a is None:
+                return np.full((s, r), fill)
+            a = np.asarray(a, dtype=np.float64)
+            return np.repeat(a[:, None], r, axis=1) if a.ndim == 1 else a
+
+        wall = phases.sum(axis=2)
+        steps = np.arange(first_step, first_step + s, dtype=np.int64)
+        start = np.cumsum(np.nanmax(wall, axis=1)) / 1e3
+        fields: dict[str, Any] = dict(
+            steps=steps,
+            ranks=np.arange(r, dtype=np.int64),
+            phases=phases,
+            wall_ms=wall,
+            start_s=np.repeat(start[:, None], r, axis=1),
+            excluded_ms=np.zeros((s, r)),
+            loss=per_rank(loss, np.nan),
+            samples=per_rank(samples, np.nan),
+            mem_bytes=per_rank(mem_bytes, np.nan),
+            grad_syncs=np.ones((s, r)),
+            micro_batches=np.ones((s, r)),
+            segment=np.zeros((s, r)),
+            counted=np.arange(s) >= warmup,
+        )
+        fields.update(extra)
+        return cls(**fields)
+
+
+def _latest_per_rank_step(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Keep, for each (rank, step), the row of the latest segment; return (kept, superseded)."""
+    if rows.shape[0] == 0:
+        return rows, rows
+    order = np.lexsort((rows[:, COL["segment"]], rows[:, COL["step"]], rows[:, COL["rank"]]))
+    rows = rows[order]
+    key = rows[:, [COL["rank"], COL["step"]]]
+    last = np.ones(rows.shape[0], dtype=bool)
+    last[:-1] = np.any(key[1:] != key[:-1], axis=1)
+    return rows[last], rows[~last]
+
+
+def _past_warmup(steps: np.ndarray, segment: np.ndarray, warmup: int) -> np.ndarray:
+    """True for steps that are not among the first `warmup` steps of their segment."""
+    if steps.size == 0 or warmup <= 0:
+        return np.ones(steps.size, dtype=bool)
+    with np.errstate(all="ignore"):
+        seg = np.nanmax(np.where(np.isnan(segment), -1, segment), axis=1)
+    counted = np.ones(steps.size, dtype=bool)
+    for value in np.unique(seg):
+        idx = np.flatnonzero(seg == value)
+        counted[idx[:warmup]] = False
+    return counted

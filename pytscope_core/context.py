@@ -1,0 +1,53 @@
+"""What analysis knows about a run besides its step records: settings, segments, and cross-rank checks.
+
+Rank 0 collects these at every gather (and the run directory stores them as JSON lines); analysis takes
+them as plain frozen dataclasses so that the rules stay pure functions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One launch of the job. A resume from a checkpoint starts a new segment."""
+
+    index: int
+    started_s: float  # seconds since the epoch
+    resumed_from_step: int  # last step already done when this segment started (0 for a fresh run)
+    world_size: int
+
+
+@dataclass(frozen=True)
+class CountsCheck:
+    """Each rank's cumulative counters at one gather, compared before any records are exchanged."""
+
+    gather: int  # gather number, 1-based
+    steps: tuple[int, ...]  # per rank: optimizer steps done
+    grad_syncs: tuple[int, ...]  # per rank: gradient synchronisations done
+    micro_batches: tuple[int, ...]  # per rank: forward passes done
+
+
+@dataclass(frozen=True)
+class ReplicaCheck:
+    """Each rank's parameter checksum at one gather (data-parallel replicas must agree)."""
+
+    step: int
+    checksums: tuple[float, ...]  # per rank; NaN where a rank could not compute one
+
+
+@dataclass(frozen=True)
+class RunContext:
+    world_size: int
+    interval: int = 50
+    warmup: int = 5
+    device: str = "cpu"  # e.g. "cpu", "NVIDIA H100 80GB HBM3"
+    flops_per_step: float | None = None  # model FLOPs of one optimizer step on one rank
+    peak_flops: float | None = None  # per-device peak FLOP/s
+    mem_limit_bytes: float | None = None  # device memory (CUDA) or host RAM (CPU)
+    segments: tuple[Segment, ...] = ()
+    counts_checks: tuple[CountsCheck, ...] = ()
+    replica_checks: tuple[ReplicaCheck, ...] = ()
+    hang_reports: tuple[dict, ...] = ()  # DIST.HANG reports written by the watchdog (plain JSON)
+    scope_errors: tuple[str, ...] = ()  # internal errors that disabled the scope
