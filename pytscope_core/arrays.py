@@ -96,32 +96,37 @@ class RunArrays:
         """Build from synthetic arrays (tests, simulations): `phases` is (steps, ranks, 6) in ms.
 
         Wall time is the sum of the phases; `loss`, `samples`, `mem_bytes` are (steps,) or (steps, ranks).
+        float32 input stays float32 (large simulations); the arrays returned may be read-only views.
         """
-        phases = np.asarray(phases, dtype=np.float64)
+        phases = np.asarray(phases)
+        if phases.dtype not in (np.float32, np.float64):
+            phases = phases.astype(np.float64)
+        dtype = phases.dtype
         s, r, _ = phases.shape
 
         def per_rank(a: np.ndarray | None, fill: float) -> np.ndarray:
+            # Constant fills are read-only broadcast views: no memory for 1,024 ranks x 10,000 steps.
             if a is None:
-                return np.full((s, r), fill)
-            a = np.asarray(a, dtype=np.float64)
-            return np.repeat(a[:, None], r, axis=1) if a.ndim == 1 else a
+                return np.broadcast_to(np.asarray(fill, dtype=dtype), (s, r))
+            a = np.asarray(a, dtype=dtype)
+            return np.broadcast_to(a[:, None], (s, r)) if a.ndim == 1 else a
 
         wall = phases.sum(axis=2)
         steps = np.arange(first_step, first_step + s, dtype=np.int64)
-        start = np.cumsum(np.nanmax(wall, axis=1)) / 1e3
+        start = np.cumsum(np.nanmax(wall, axis=1), dtype=np.float64) / 1e3
         fields: dict[str, Any] = dict(
             steps=steps,
             ranks=np.arange(r, dtype=np.int64),
             phases=phases,
             wall_ms=wall,
-            start_s=np.repeat(start[:, None], r, axis=1),
-            excluded_ms=np.zeros((s, r)),
+            start_s=np.broadcast_to(start[:, None], (s, r)),
+            excluded_ms=per_rank(None, 0.0),
             loss=per_rank(loss, np.nan),
             samples=per_rank(samples, np.nan),
             mem_bytes=per_rank(mem_bytes, np.nan),
-            grad_syncs=np.ones((s, r)),
-            micro_batches=np.ones((s, r)),
-            segment=np.zeros((s, r)),
+            grad_syncs=per_rank(None, 1.0),
+            micro_batches=per_rank(None, 1.0),
+            segment=per_rank(None, 0.0),
             counted=np.arange(s) >= warmup,
         )
         fields.update(extra)
