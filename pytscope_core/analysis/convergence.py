@@ -1,0 +1,164 @@
+"""Is the loss going anywhere: trend, spikes, and the first non-finite value.
+
+The trend compares the first and last quarter of block means. Averaging steps into blocks removes per-step
+noise; the noise of the block means is estimated from their successive differences, so a smooth descent does
+not inflate it; the test is one-sided and strict and must also clear a relative-change floor, because a
+significance test alone calls any long run "changing". A NaN loss in the records usually means "not logged";
+it is only called non-finite when a rank that logged every step stops with NaN and never logs again.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..arrays import RunArrays
+from . import stats
+
+TREND_MIN_STEPS = 100
+"""Fewer finite counted steps than this and the trend is "unknown": too few blocks to estimate noise."""
+TREND_BLOCKS = 20
+"""Block means per run; the first and last TREND_EDGE_BLOCKS are compared."""
+TREND_EDGE_BLOCKS = 5
+TREND_T_CRIT = 3.9
+"""One-sided critical t (about p = 0.001 at the ~12 effective degrees of freedom of the noise estimate)."""
+TREND_MIN_RELATIVE_CHANGE = 0.05
+"""A change under 5% of the starting level is "flat" whatever its significance."""
+
+SPIKE_WINDOW = 50
+"""Trailing steps that define the local loss level for spike detection."""
+SPIKE_MADS = 6.0
+"""A spike sits more than 6 robust sigmas above the local median..."""
+SPIKE_MIN_RELATIVE = 0.25
+"""...and at least 25% above it, so tiny steady noise cannot produce spikes."""
+
+
+@dataclass(frozen=True)
+class LossTrend:
+    trend: str  # "improving", "flat", "worsening" or "unknown"
+    t: float  # (last - first) / its standard error; negative when the loss goes down
+    relative_change: float  # (last quarter mean - first quarter mean) / |first quarter mean|
+    finite_steps: int
+
+
+@dataclass(frozen=True)
+class Spike:
+    step: int
+    loss: float
+    baseline: float  # trailing median before the spike
+
+
+@dataclass(frozen=True)
+class Convergence:
+    trend: LossTrend
+    first_loss: float
+    last_loss: float
+    nonfinite_step: int | None
+    nonfinite_ranks: tuple[int, ...]
+    spikes: tuple[Spike, ...]
+    sparkline_values: tuple[float, ...]  # block means for a small chart (at most 40), NaN-free
+
+
+def loss_per_step(arrays: RunArrays) -> np.ndarray:
+    """(S,) the mean over ranks of finite losses (NaN where no rank logged a finite loss)."""
+    loss = np.asarray(arrays.loss)
+    if loss.size == 0:
+        return np.full(arrays.n_steps, np.nan)
+    if loss.strides[1] == 0:  # one loss per step broadcast to every rank: no (S, R) work needed
+        column = np.asarray(loss[:, 0], dtype=np.float64)
+        return np.where(np.isfinite(column), column, np.nan)
+    finite = np.isfinite(loss)
+    with warnings.catch_warnings(), np.errstate(all="ignore"):
+        warnings.simplefilter("ignore", RuntimeWarning)
+        total = np.where(finite, loss, 0.0).sum(axis=1)
+        count = finite.sum(axis=1)
+        return np.where(count > 0, total / np.maximum(count, 1), np.nan)
+
+
+def loss_trend(loss: np.ndarray) -> LossTrend:
+    """Trend of the finite values of a 1-D loss series (already restricted to counted steps)."""
+    x = loss[np.isfinite(loss)]
+    if x.size < TREND_MIN_STEPS:
+        return LossTrend("unknown", math.nan, math.nan, int(x.size))
+    means = stats.block_means(x, TREND_BLOCKS)
+    first = float(means[:TREND_EDGE_BLOCKS].mean())
+    last = float(means[-TREND_EDGE_BLOCKS:].mean())
+    sd = stats.von_neumann_sd(means)
+    se = sd * math.sqrt(2.0 / TREND_EDGE_BLOCKS)
+    diff = last - first
+    t = diff / se if se > 0 else (0.0 if diff == 0 else math.copysign(math.inf, diff))
+    rel = diff / abs(first) if first != 0 else (0.0 if diff == 0 else math.copysign(math.inf, diff))
+    if t <= -TREND_T_CRIT and rel <= -TREND_MIN_RELATIVE_CHANGE:
+        trend = "improving"
+    elif t >= TREND_T_CRIT and rel >= TREND_MIN_RELATIVE_CHANGE:
+        trend = "worsening"
+    else:
+        trend = "flat"
+    return LossTrend(trend, float(t), float(rel), int(x.size))
+
+
+def find_spikes(loss: np.ndarray, steps: np.ndarray) -> tuple[Spike, ...]:
+    """Upward jumps far above the trailing median; a run of consecutive spike steps counts once (its peak)."""
+    ok = np.isfinite(loss)
+    x, st = loss[ok], steps[ok]
+    med, mad = stats.trailing_median_mad(x, SPIKE_WINDOW)
+    with np.errstate(invalid="ignore"):
+        jump = x - med
+        hit = (jump > SPIKE_MADS * stats.MAD_TO_SIGMA * mad) & (jump > SPIKE_MIN_RELATIVE * np.abs(med))
+    idx = np.flatnonzero(hit)
+    if idx.size == 0:
+        return ()
+    starts = np.concatenate(([True], np.diff(idx) > 1))
+    group = np.cumsum(starts) - 1
+    peaks = np.full(int(group[-1]) + 1, -1, dtype=np.int64)
+    # The highest point of each consecutive run: order by loss so the last write per group wins.
+    order = np.argsort(x[idx], kind="stable")
+    peaks[group[order]] = idx[order]
+    return tuple(Spike(int(st[i]), float(x[i]), float(med[i])) for i in peaks)
+
+
+def first_nonfinite(arrays: RunArrays) -> tuple[int | None, tuple[int, ...]]:
+    """First step with an infinite loss, or with a NaN that ends a rank's unbroken run of logged losses."""
+    loss = np.asarray(arrays.loss)
+    s, r = loss.shape
+    if s == 0 or r == 0:
+        return None, ()
+    bad = np.isinf(loss)
+    finite = np.isfinite(loss)
+    has_finite = finite.any(axis=0)
+    first_fin = finite.argmax(axis=0)
+    last_fin = s - 1 - finite[::-1].argmax(axis=0)
+    dense = finite.sum(axis=0) == (last_fin - first_fin + 1)  # logged every step, no gaps
+    nan_end = has_finite & dense & (last_fin - first_fin >= 2) & (last_fin < s - 1)
+    cols = np.flatnonzero(nan_end)
+    if cols.size:
+        rows = last_fin[cols] + 1
+        nan_here = np.isnan(loss[rows, cols])
+        bad[rows[nan_here], cols[nan_here]] = True
+    any_bad = bad.any(axis=1)
+    if not any_bad.any():
+        return None, ()
+    i = int(any_bad.argmax())
+    return int(arrays.steps[i]), tuple(int(arrays.ranks[j]) for j in np.flatnonzero(bad[i]))
+
+
+def convergence(arrays: RunArrays, sel: np.ndarray) -> Convergence:
+    per_step = loss_per_step(arrays)
+    counted = per_step[sel]
+    finite = per_step[np.isfinite(per_step)]
+    step, ranks = first_nonfinite(arrays)
+    spark = finite
+    if finite.size > 40:
+        spark = stats.block_means(finite, 40)
+    return Convergence(
+        trend=loss_trend(counted),
+        first_loss=float(finite[0]) if finite.size else math.nan,
+        last_loss=float(finite[-1]) if finite.size else math.nan,
+        nonfinite_step=step,
+        nonfinite_ranks=ranks,
+        spikes=find_spikes(counted, arrays.steps[sel]),
+        sparkline_values=tuple(float(v) for v in spark),
+    )

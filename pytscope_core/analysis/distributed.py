@@ -1,0 +1,219 @@
+"""Cross-rank timing: each rank's local work, who is on the critical path, and what waiting costs.
+
+A rank's *local work* is its step wall less its exposed communication. The rank with the most local work in
+a step is on that step's critical path: everyone else waits for it inside the gradient all-reduce. Exposed
+communication is split into *transfer*, estimated per step as the least-blocked rank's communication (what
+even the last rank to arrive pays), and *sync wait* (the rest: waiting for slower peers). The split is an
+estimate (MEASUREMENTS.md 5): with several buckets it understates transfer, so reports say so. A straggler is
+judged on local work with three gates (relative excess, persistence, and real wall time lost), because a
+significance test alone grows with the number of steps and the max of many noisy ranks always looks slow.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..arrays import RunArrays
+from ..records import PHASES
+from . import stats
+
+STRAGGLER_MIN_EXCESS = 0.045
+"""Median local work >= 4.5% above the other ranks' median: healthy ranks differ by noise, not by this much."""
+STRAGGLER_MIN_PERSISTENCE = 0.70
+"""Slower than the others' median in >= 70% of steps: healthy 2-rank runs alternate 33-65% (MEASUREMENTS 3)."""
+STRAGGLER_MIN_Z = 3.0
+"""Binomial z of that persistence against a fair coin: keeps 200-step windows from flagging luck."""
+STRAGGLER_MIN_COST_SHARE = 0.02
+"""The slow ranks' extra local work over the next-slowest rank must cost >= 2% of wall to be worth fixing."""
+
+_DATA = PHASES.index("data")
+
+
+@dataclass(frozen=True)
+class RankTiming:
+    rank: int
+    local_ms: float  # median local work per step (wall - exposed comm)
+    comm_ms: float  # median exposed communication per step (transfer + sync wait)
+    sync_wait_ms: float  # median per step of comm - the step's transfer estimate
+    data_ms: float  # median data wait per step
+    data_share: float  # data wait as a share of this rank's wall
+    critical_share: float  # fraction of counted steps where this rank has the most local work
+    excess: float  # median over steps of local work / median of the other ranks' local work - 1
+    slower_share: float  # fraction of steps with local work above the other ranks' median
+    z: float  # binomial z of slower_share against 0.5
+    straggler: bool
+
+
+@dataclass(frozen=True)
+class SyncDivergence:
+    """First step where a rank's gradient-sync count departs from the majority (cumulative counts diverge)."""
+
+    step: int
+    ranks: tuple[int, ...]
+    counts: tuple[float, ...]  # those ranks' grad_syncs in that step
+    majority: float
+
+
+@dataclass(frozen=True)
+class DistributedTiming:
+    per_rank: tuple[RankTiming, ...]
+    stragglers: tuple[int, ...]  # ranks passing every gate (one: a straggler; several: load imbalance)
+    candidates: tuple[int, ...]  # ranks passing excess and persistence, before the wall-cost gate
+    transfer_ms: float  # median per step of the least-blocked rank's exposed comm
+    transfer_share: float  # transfer as a share of step wall
+    sync_wait_share: float  # mean rank's sync wait as a share of its wall
+    lost_to_imbalance: float  # the candidates' extra local work over the next-slowest rank, share of wall
+    lost_ms_per_step: float  # the same, in ms per counted step
+    next_slowest_local_ms: float  # median local work of the slowest rank outside the candidates
+    steps_counted: int
+    sync_divergence: SyncDivergence | None
+    split_is_estimate: bool = True
+
+    def rank(self, rank: int) -> RankTiming:
+        return next(r for r in self.per_rank if r.rank == rank)
+
+
+def distributed_timing(arrays: RunArrays, sel: np.ndarray) -> DistributedTiming:
+    """Per-rank local work and the straggler gates over the steps in `sel` (S,) bool."""
+    ranks = [int(r) for r in arrays.ranks]
+    comm_all = arrays.comm_ms[sel]
+    wall_all = arrays.wall_ms[sel]
+    complete = np.all(np.isfinite(wall_all) & np.isfinite(comm_all), axis=1)
+    if not complete.all():  # cross-rank comparisons need every rank in the step
+        comm_all, wall_all = comm_all[complete], wall_all[complete]
+    local = wall_all - comm_all
+    n, r = local.shape
+    if n == 0 or r == 0:
+        return _empty(arrays, ranks)
+
+    transfer = comm_all.min(axis=1)
+    sync_wait = comm_all - transfer[:, None]
+    data = arrays.phases[:, :, _DATA][sel]
+    if not complete.all():
+        data = data[complete]
+    wall_sum = wall_all.sum(axis=0, dtype=np.float64)
+
+    critical = np.bincount(local.argmax(axis=1), minlength=r) / n
+    if r >= 2:
+        others = median_of_others(local)
+        with np.errstate(all="ignore"):
+            excess = stats.median_over_steps(local / others - 1.0)
+        slower = np.count_nonzero(local > others, axis=0)
+        del others
+    else:
+        excess, slower = np.zeros(r), np.zeros(r, dtype=np.int64)
+    z = stats.binomial_z(slower, n)
+    slower_share = slower / n
+    is_candidate = (excess >= STRAGGLER_MIN_EXCESS) & (slower_share >= STRAGGLER_MIN_PERSISTENCE)
+    is_candidate &= z >= STRAGGLER_MIN_Z
+
+    total_wall = float(wall_all.mean(axis=1, dtype=np.float64).sum())
+    lost_ms, next_local = _straggler_cost(local, is_candidate)
+    lost_share = lost_ms * n / total_wall if total_wall > 0 else 0.0
+    is_straggler = is_candidate & (lost_share >= STRAGGLER_MIN_COST_SHARE)
+
+    local_med = stats.median_over_steps(local)
+    comm_med = stats.median_over_steps(comm_all)
+    wait_med = stats.median_over_steps(sync_wait)
+    data_med = stats.median_over_steps(data)
+    with np.errstate(all="ignore"):
+        data_share = np.where(wall_sum > 0, data.sum(axis=0, dtype=np.float64) / wall_sum, 0.0)
+    per_rank = tuple(
+        RankTiming(
+            rank=ranks[i],
+            local_ms=float(local_med[i]),
+            comm_ms=float(comm_med[i]),
+            sync_wait_ms=float(wait_med[i]),
+            data_ms=float(data_med[i]),
+            data_share=float(data_share[i]),
+            critical_share=float(critical[i]),
+            excess=float(excess[i]),
+            slower_share=float(slower_share[i]),
+            z=float(z[i]),
+            straggler=bool(is_straggler[i]),
+        )
+        for i in range(r)
+    )
+    return DistributedTiming(
+        per_rank=per_rank,
+        stragglers=tuple(ranks[i] for i in np.flatnonzero(is_straggler)),
+        candidates=tuple(ranks[i] for i in np.flatnonzero(is_candidate)),
+        transfer_ms=float(np.median(transfer)),
+        transfer_share=float(transfer.sum(dtype=np.float64) / total_wall) if total_wall > 0 else 0.0,
+        sync_wait_share=float(sync_wait.sum(dtype=np.float64) / wall_sum.sum()) if total_wall > 0 else 0.0,
+        lost_to_imbalance=lost_share if is_straggler.any() else 0.0,
+        lost_ms_per_step=lost_ms if is_straggler.any() else 0.0,
+        next_slowest_local_ms=next_local,
+        steps_counted=n,
+        sync_divergence=sync_divergence(arrays),
+    )
+
+
+def median_of_others(local: np.ndarray) -> np.ndarray:
+    """(S, R) the per-step median of the other ranks' local work (see stats.median_of_others)."""
+    return stats.median_of_others(local)
+
+
+def _straggler_cost(local: np.ndarray, slow: np.ndarray) -> tuple[float, float]:
+    """Mean ms per step the slow ranks add over the slowest other rank, and that rank's median local work.
+
+    This is an upper bound on what fixing them saves (MEASUREMENTS.md 5): the step would then wait for the
+    next-slowest rank instead.
+    """
+    if not slow.any() or slow.all():
+        return 0.0, math.nan
+    slowest_bad = local[:, slow].max(axis=1)
+    slowest_good = local[:, ~slow].max(axis=1)
+    lost = np.clip(slowest_bad - slowest_good, 0.0, None)
+    return float(lost.mean(dtype=np.float64)), float(np.median(slowest_good))
+
+
+def sync_divergence(arrays: RunArrays) -> SyncDivergence | None:
+    """First step where some rank's gradient-sync count differs from the majority's.
+
+    Before that step every rank's cumulative count is equal, so the first per-step difference is exactly
+    where a rank's cumulative count falls behind or runs ahead.
+    """
+    g = arrays.grad_syncs
+    if g.shape[1] < 2 or g.shape[0] == 0:
+        return None
+    with np.errstate(invalid="ignore"):
+        differs = np.isfinite(g) & np.isfinite(g[:, :1]) & (g != g[:, :1])
+        present = np.isfinite(g)
+        # A rank missing a step another rank recorded also breaks the count (NaN vs a number).
+        partial = present.any(axis=1) & ~present.all(axis=1)
+    bad_steps = np.flatnonzero(differs.any(axis=1) | partial)
+    if bad_steps.size == 0:
+        return None
+    i = int(bad_steps[0])
+    row = np.asarray(g[i], dtype=np.float64)
+    finite = row[np.isfinite(row)]
+    values, counts = np.unique(finite, return_counts=True)
+    majority = float(values[counts.argmax()]) if values.size else math.nan
+    off = np.flatnonzero(~np.isfinite(row) | (row != majority))
+    return SyncDivergence(
+        step=int(arrays.steps[i]),
+        ranks=tuple(int(arrays.ranks[j]) for j in off),
+        counts=tuple(float(row[j]) for j in off),
+        majority=majority,
+    )
+
+
+def _empty(arrays: RunArrays, ranks: list[int]) -> DistributedTiming:
+    nan = math.nan
+    return DistributedTiming(
+        per_rank=tuple(RankTiming(r, nan, nan, nan, nan, nan, 0.0, nan, nan, 0.0, False) for r in ranks),
+        stragglers=(),
+        candidates=(),
+        transfer_ms=nan,
+        transfer_share=0.0,
+        sync_wait_share=0.0,
+        lost_to_imbalance=0.0,
+        lost_ms_per_step=0.0,
+        next_slowest_local_ms=nan,
+        steps_counted=0,
+        sync_divergence=sync_divergence(arrays),
+    )

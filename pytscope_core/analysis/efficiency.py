@@ -1,0 +1,174 @@
+"""Where the wall time goes and how much of it bought training: the budget, goodput across restarts, MFU.
+
+The budget splits counted wall time into useful compute (forward + backward), data wait, exposed transfer,
+sync wait (imbalance: the straggler's bill, never communication cost), optimizer and other; the lines add up
+to 1 and say which could be won back. Goodput is the wall time of counted steps over the elapsed time of the
+whole job, with the losses named: downtime between segments, steps replayed after a resume, warm-up, and
+what no step covers (start-up, validation, checkpoints).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..arrays import RunArrays
+from ..context import RunContext
+from ..records import COL
+from .distributed import DistributedTiming
+from .timing import StepTiming
+
+
+@dataclass(frozen=True)
+class BudgetLine:
+    name: str
+    share: float  # of counted wall time; the lines of a budget sum to 1
+    ms_per_step: float
+    recoverable: bool
+
+
+@dataclass(frozen=True)
+class SegmentSpan:
+    index: int
+    started_s: float
+    ended_s: float
+    first_step: int
+    last_step: int
+    steps: int
+    resumed_from_step: int
+    world_size: int
+
+
+@dataclass(frozen=True)
+class Goodput:
+    elapsed_s: float  # first segment start to last step end
+    productive_s: float  # wall of counted steps (rank mean)
+    goodput: float  # productive_s / elapsed_s
+    downtime_s: float  # gaps between one segment's last step and the next segment's start
+    replayed_s: float  # wall of steps redone after a resume (rank mean)
+    warmup_s: float  # wall of steps left out of statistics
+    excluded_s: float  # validation, checkpoints ... inside steps
+    unaccounted_s: float  # elapsed time no step covers (start-up, teardown, gaps inside a segment)
+    segments: tuple[SegmentSpan, ...]
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    budget: tuple[BudgetLine, ...]
+    recoverable_share: float
+    mfu: float | None  # model FLOPs utilisation, None when FLOPs per step or the peak is unknown
+    goodput: Goodput
+
+
+def budget(timing: StepTiming, dist: DistributedTiming) -> tuple[BudgetLine, ...]:
+    share = {p.name: p.share for p in timing.phases}
+    comm = share["comm"]
+    transfer = min(max(dist.transfer_share, 0.0), comm)
+    lines = (
+        ("useful compute", share["forward"] + share["backward"], False),
+        ("data wait", share["data"], True),
+        ("exposed transfer", transfer, True),
+        ("sync wait (imbalance)", comm - transfer, True),
+        ("optimizer", share["optimizer"], False),
+        ("other", share["other"], True),
+    )
+    mean = timing.mean_ms if math.isfinite(timing.mean_ms) else 0.0
+    return tuple(BudgetLine(name, float(s), float(s * mean), rec) for name, s, rec in lines)
+
+
+def mfu(ctx: RunContext, timing: StepTiming) -> float | None:
+    """FLOPs per step per rank over (mean step seconds x device peak); None when either is unknown."""
+    if not ctx.flops_per_step or not ctx.peak_flops or not timing.mean_ms > 0:
+        return None
+    return float(ctx.flops_per_step / (timing.mean_ms / 1e3) / ctx.peak_flops)
+
+
+def _per_step(x: np.ndarray, reduce: str) -> np.ndarray:
+    """Reduce (S, R) over ranks, reading one column when the array is a broadcast of one value per step."""
+    if x.shape[1] == 0:
+        return np.full(x.shape[0], np.nan)
+    if x.strides[1] == 0:
+        return np.asarray(x[:, 0], dtype=np.float64)
+    with np.errstate(all="ignore"):
+        if np.isnan(x).all(axis=1).any():
+            x = np.where(np.isnan(x), -np.inf if reduce == "max" else np.inf, x)
+            out = x.max(axis=1) if reduce == "max" else x.min(axis=1)
+            return np.where(np.isfinite(out), out, np.nan).astype(np.float64)
+        return np.asarray(np.nanmax(x, axis=1) if reduce == "max" else np.nanmin(x, axis=1), np.float64)
+
+
+def goodput(arrays: RunArrays, ctx: RunContext, wall: np.ndarray, sel: np.ndarray) -> Goodput:
+    """Goodput over all segments; `wall` is the (S,) rank-mean step wall, `sel` the counted steps."""
+    n = arrays.n_steps
+    world = max(arrays.world_size, 1)
+    seg = _per_step(arrays.segment, "max")
+    seg = np.where(np.isfinite(seg), seg, 0.0).astype(np.int64)
+    start = _per_step(arrays.start_s, "min")
+    end = start + _per_step(arrays.wall_ms, "max") / 1e3
+    rep = arrays.replayed
+    rep_seg = rep[:, COL["segment"]].astype(np.int64) if rep.size else np.empty(0, np.int64)
+    rep_end = rep[:, COL["start_s"]] + rep[:, COL["wall_ms"]] / 1e3 if rep.size else np.empty(0)
+    rep_wall = float(np.nansum(rep[:, COL["wall_ms"]])) / world / 1e3 if rep.size else 0.0
+
+    known = {s.index: s for s in ctx.segments}
+    spans = []
+    for index in sorted(set(seg.tolist()) | set(rep_seg.tolist()) | set(known)):
+        mine = seg == index
+        ends = np.concatenate((end[mine], rep_end[rep_seg == index]))
+        starts = np.concatenate((start[mine], rep[rep_seg == index, COL["start_s"]] if rep.size else []))
+        ends, starts = ends[np.isfinite(ends)], starts[np.isfinite(starts)]
+        info = known.get(index)
+        began = info.started_s if info else (float(starts.min()) if starts.size else math.nan)
+        steps = arrays.steps[mine]
+        spans.append(
+            SegmentSpan(
+                index=int(index),
+                started_s=float(began),
+                ended_s=float(ends.max()) if ends.size else float(began),
+                first_step=int(steps.min()) if steps.size else 0,
+                last_step=int(steps.max()) if steps.size else 0,
+                steps=int(steps.size),
+                resumed_from_step=info.resumed_from_step if info else 0,
+                world_size=info.world_size if info else arrays.world_size,
+            )
+        )
+    downtime = sum(max(0.0, b.started_s - a.ended_s) for a, b in zip(spans, spans[1:], strict=False))
+    begun = [s.started_s for s in spans if math.isfinite(s.started_s)]
+    ended = [s.ended_s for s in spans if math.isfinite(s.ended_s)]
+    elapsed = max(ended) - min(begun) if begun and ended else 0.0
+    finite_wall = np.where(np.isfinite(wall), wall, 0.0)
+    productive = float(finite_wall[sel].sum()) / 1e3 if n else 0.0
+    warmup = float(finite_wall[~sel].sum()) / 1e3 if n else 0.0
+    excluded = float(np.nansum(_per_step(arrays.excluded_ms, "max"))) / 1e3 if n else 0.0
+    accounted = productive + warmup + excluded + rep_wall + downtime
+    elapsed = max(elapsed, accounted)  # clocks of different hosts can disagree; never report goodput > 1
+    return Goodput(
+        elapsed_s=elapsed,
+        productive_s=productive,
+        goodput=productive / elapsed if elapsed > 0 else math.nan,
+        downtime_s=downtime,
+        replayed_s=rep_wall,
+        warmup_s=warmup,
+        excluded_s=excluded,
+        unaccounted_s=max(0.0, elapsed - accounted),
+        segments=tuple(spans),
+    )
+
+
+def efficiency(
+    arrays: RunArrays,
+    ctx: RunContext,
+    timing: StepTiming,
+    dist: DistributedTiming,
+    wall: np.ndarray,
+    sel: np.ndarray,
+) -> Efficiency:
+    lines = budget(timing, dist)
+    return Efficiency(
+        budget=lines,
+        recoverable_share=float(sum(line.share for line in lines if line.recoverable)),
+        mfu=mfu(ctx, timing),
+        goodput=goodput(arrays, ctx, wall, sel),
+    )

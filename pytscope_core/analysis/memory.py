@@ -1,0 +1,71 @@
+"""Memory per step: the peak, which rank holds it, whether it climbs, and how close it is to the limit.
+
+Growth compares the first and last quarter of block means of the per-step peak across ranks, with the same
+trend-robust noise estimate as the loss trend, so allocator noise or a one-off spike does not read as a leak.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..arrays import RunArrays
+from ..context import RunContext
+from . import stats
+
+GROWTH_MIN_STEPS = 50
+"""Fewer finite steps and growth is not judged."""
+_BLOCKS, _EDGE = 20, 5
+
+
+@dataclass(frozen=True)
+class MemoryStats:
+    peak_bytes: float  # NaN when no memory was recorded
+    peak_rank: int | None
+    growth_bytes: float  # last-quarter mean minus first-quarter mean of the per-step peak
+    growth_relative: float
+    growth_t: float  # growth over its standard error
+    limit_bytes: float | None
+    peak_fraction: float | None  # peak_bytes / limit_bytes
+    rank_peaks: tuple[float, ...]  # per rank, in rank order
+
+
+def memory_stats(arrays: RunArrays, ctx: RunContext, sel: np.ndarray) -> MemoryStats:
+    mem = np.asarray(arrays.mem_bytes)
+    nan = math.nan
+    limit = float(ctx.mem_limit_bytes) if ctx.mem_limit_bytes else None
+    if mem.size == 0 or not np.isfinite(mem).any():
+        return MemoryStats(nan, None, nan, nan, nan, limit, None, tuple(nan for _ in arrays.ranks))
+    with warnings.catch_warnings(), np.errstate(all="ignore"):
+        warnings.simplefilter("ignore", RuntimeWarning)
+        if mem.strides[1] == 0:
+            per_step = np.asarray(mem[:, 0], dtype=np.float64)
+            rank_peaks = np.full(mem.shape[1], np.nanmax(per_step))
+        else:
+            per_step = np.nanmax(mem, axis=1).astype(np.float64)
+            rank_peaks = np.nanmax(mem, axis=0).astype(np.float64)
+    peak_i = int(np.nanargmax(rank_peaks))
+    peak = float(rank_peaks[peak_i])
+    x = per_step[sel]
+    x = x[np.isfinite(x)]
+    growth, rel, t = nan, nan, nan
+    if x.size >= GROWTH_MIN_STEPS:
+        means = stats.block_means(x, _BLOCKS)
+        first, last = float(means[:_EDGE].mean()), float(means[-_EDGE:].mean())
+        growth = last - first
+        rel = growth / first if first > 0 else nan
+        se = stats.von_neumann_sd(means) * math.sqrt(2.0 / _EDGE)
+        t = growth / se if se > 0 else (math.inf if growth > 0 else 0.0)
+    return MemoryStats(
+        peak_bytes=peak,
+        peak_rank=int(arrays.ranks[peak_i]),
+        growth_bytes=growth,
+        growth_relative=rel,
+        growth_t=t,
+        limit_bytes=limit,
+        peak_fraction=peak / limit if limit else None,
+        rank_peaks=tuple(float(v) for v in rank_peaks),
+    )

@@ -1,0 +1,627 @@
+"""The finding rules: small functions registered by finding code, each with its thresholds beside it.
+
+Every rule reads the `RunAnalysis` (never the raw arrays) and returns zero or more findings. Each threshold is
+a named constant with the reason for its value, and every rule has an effect-size floor (a share of wall
+time, milliseconds, a relative change) on top of any significance test: a test alone fires on every long
+run. A rule that raises is not silenced: `run_rules` re-raises in strict mode, and otherwise logs the
+traceback and reports a SCOPE.RULE_ERROR finding naming the rule, so a missing diagnosis is visible.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Iterable
+
+import numpy as np
+
+from ..findings import Finding, Severity
+from .distributed import STRAGGLER_MIN_COST_SHARE, STRAGGLER_MIN_EXCESS, STRAGGLER_MIN_PERSISTENCE
+from .run import RunAnalysis
+
+log = logging.getLogger(__name__)
+
+Rule = Callable[[RunAnalysis], Iterable[Finding]]
+RULES: dict[str, Rule] = {}
+
+
+def rule(code: str) -> Callable[[Rule], Rule]:
+    """Register a rule function under the finding code it emits."""
+
+    def register(fn: Rule) -> Rule:
+        if code in RULES:
+            raise ValueError(f"rule {code} registered twice")
+        RULES[code] = fn
+        return fn
+
+    return register
+
+
+def run_rules(analysis: RunAnalysis, *, strict: bool = False) -> list[Finding]:
+    """All registered rules' findings, HIGH first; see the module docstring for failing rules."""
+    found: list[Finding] = []
+    for code, fn in RULES.items():
+        try:
+            found.extend(fn(analysis))
+        except Exception as exc:
+            if strict:
+                raise
+            log.exception("pytscope rule %s failed", code)
+            found.append(
+                Finding(
+                    code="SCOPE.RULE_ERROR",
+                    severity=Severity.MED,
+                    title=f"The {code} check failed and was skipped",
+                    detail=f"{type(exc).__name__}: {exc}",
+                    recommendation="Report this with the run directory; other findings are unaffected.",
+                )
+            )
+    return sorted(found, key=lambda f: (-int(f.severity), f.code, f.ranks))
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.1f}%"
+
+
+def _ranks(ranks: Iterable[int], limit: int = 8) -> str:
+    rs = list(ranks)
+    text = ", ".join(str(r) for r in rs[:limit])
+    return text + (f" and {len(rs) - limit} more" if len(rs) > limit else "")
+
+
+# --- distributed -------------------------------------------------------------------------------------------
+
+STRAGGLER_HIGH_COST = 0.10
+"""A straggler costing >= 10% of every rank's wall is the first thing to fix."""
+STRAGGLER_MED_COST = 0.03
+""">= 3% is worth a look; below that (down to the 2% floor) it is LOW."""
+
+
+def _cost_severity(share: float) -> Severity:
+    if share >= STRAGGLER_HIGH_COST:
+        return Severity.HIGH
+    return Severity.MED if share >= STRAGGLER_MED_COST else Severity.LOW
+
+
+@rule("DIST.STRAGGLER")
+def straggler(a: RunAnalysis) -> list[Finding]:
+    """One rank persistently has the most local work. Floors: excess >= 4.5%, slower in >= 70% of steps
+    (binomial z >= 3), and its extra work over the next-slowest rank >= 2% of wall (distributed.py)."""
+    d = a.distributed
+    if len(d.stragglers) != 1:
+        return []
+    rank = d.stragglers[0]
+    me = d.rank(rank)
+    others = float(np.median([r.local_ms for r in d.per_rank if r.rank != rank]))
+    return [
+        Finding(
+            code="DIST.STRAGGLER",
+            severity=_cost_severity(d.lost_to_imbalance),
+            title=f"Rank {rank} is a straggler: the other ranks wait for it every step",
+            detail=(
+                f"Rank {rank} does {me.local_ms:.2f} ms of local work per step vs {others:.2f} ms on the other "
+                f"ranks (median, +{_pct(me.excess)}); it is slower than the others' median in "
+                f"{_pct(me.slower_share)} of {d.steps_counted} steps (z = {me.z:.1f}) and on the critical "
+                f"path in {_pct(me.critical_share)}. Waiting for it costs {d.lost_ms_per_step:.2f} ms per "
+                f"step, {_pct(d.lost_to_imbalance)} of wall (upper bound: the next-slowest rank would then "
+                f"set the pace). The other ranks' wait shows as sync wait, not as communication."
+            ),
+            recommendation=(
+                f"Check rank {rank}'s host first: other processes or throttling on that CPU/GPU, its data "
+                f"loader (data wait {me.data_ms:.2f} ms vs the others') and shard size, then compare its "
+                f"phases with the others' in `pytscope trace`."
+            ),
+            ranks=(rank,),
+            evidence={
+                "local_ms": me.local_ms,
+                "others_local_ms": others,
+                "excess": me.excess,
+                "slower_share": me.slower_share,
+                "z": me.z,
+                "critical_share": me.critical_share,
+                "lost_ms_per_step": d.lost_ms_per_step,
+                "lost_share": d.lost_to_imbalance,
+            },
+        )
+    ]
+
+
+@rule("DIST.LOAD_IMBALANCE")
+def load_imbalance(a: RunAnalysis) -> list[Finding]:
+    """Several ranks pass the straggler gates: the work is unevenly split, not one bad host."""
+    d = a.distributed
+    if len(d.stragglers) < 2:
+        return []
+    slow = [d.rank(r) for r in d.stragglers]
+    fast = [r.local_ms for r in d.per_rank if r.rank not in d.stragglers]
+    others = float(np.median(fast)) if fast else math.nan
+    return [
+        Finding(
+            code="DIST.LOAD_IMBALANCE",
+            severity=_cost_severity(d.lost_to_imbalance),
+            title=f"Work is unevenly split: {len(slow)} ranks are persistently slower",
+            detail=(
+                f"Ranks {_ranks(d.stragglers)} do {min(r.local_ms for r in slow):.2f}-"
+                f"{max(r.local_ms for r in slow):.2f} ms of local work per step vs {others:.2f} ms on the "
+                f"others (median), each slower than its peers' median in >= "
+                f"{_pct(min(r.slower_share for r in slow))} of steps. The rest wait "
+                f"{d.lost_ms_per_step:.2f} ms per step for them, {_pct(d.lost_to_imbalance)} of wall."
+            ),
+            recommendation=(
+                "Check whether those ranks get larger or longer samples (variable sequence lengths, uneven "
+                "shards) or share slower hosts; bucket batches by length or rebalance the sampler."
+            ),
+            ranks=tuple(d.stragglers),
+            evidence={"lost_ms_per_step": d.lost_ms_per_step, "lost_share": d.lost_to_imbalance},
+        )
+    ]
+
+
+COMM_MIN_SHARE = 0.20
+"""Exposed transfer (least-blocked rank) >= 20% of the step: overlap or bucketing has real room to win."""
+COMM_HIGH_SHARE = 0.40
+""">= 40%: communication dominates the step."""
+COMM_MIN_MS = 0.5
+"""Absolute floor: sub-millisecond transfers on tiny steps are not worth tuning."""
+
+
+@rule("DIST.COMM_BOUND")
+def comm_bound(a: RunAnalysis) -> list[Finding]:
+    """Exposed *transfer* (never sync wait) is a large share of the step, above an absolute floor."""
+    d = a.distributed
+    if not (d.transfer_share >= COMM_MIN_SHARE and d.transfer_ms >= COMM_MIN_MS):
+        return []
+    return [
+        Finding(
+            code="DIST.COMM_BOUND",
+            severity=Severity.HIGH if d.transfer_share >= COMM_HIGH_SHARE else Severity.MED,
+            title="Gradient communication is a large, exposed share of the step",
+            detail=(
+                f"Even the least-blocked rank waits {d.transfer_ms:.2f} ms per step in gradient "
+                f"communication after its backward finished: {_pct(d.transfer_share)} of wall (an estimate "
+                f"of transfer, excluding waits for slower ranks)."
+            ),
+            recommendation=(
+                "Overlap more of the all-reduce with backward (smaller bucket_cap_mb, no find_unused_parameters),"
+                " accumulate gradients over more micro-batches per sync, or compress gradients (bf16 hook); "
+                "check the interconnect bandwidth first."
+            ),
+            evidence={"transfer_ms": d.transfer_ms, "transfer_share": d.transfer_share},
+        )
+    ]
+
+
+@rule("DIST.DESYNC")
+def desync(a: RunAnalysis) -> list[Finding]:
+    """Ranks disagree on step, grad-sync or micro-batch counts. No floor: any disagreement precedes a hang."""
+    out: list[Finding] = []
+    for check in a.ctx.counts_checks:
+        bad: dict[int, list[str]] = {}
+        for name in ("steps", "grad_syncs", "micro_batches"):
+            values = np.asarray(getattr(check, name), dtype=np.float64)
+            if values.size < 2:
+                continue
+            uniq, counts = np.unique(values, return_counts=True)
+            majority = uniq[counts.argmax()]
+            for r in np.flatnonzero(values != majority):
+                bad.setdefault(int(r), []).append(f"{name} {values[r]:.0f} vs {majority:.0f}")
+        if bad:
+            parts = "; ".join(f"rank {r}: {', '.join(v)}" for r, v in sorted(bad.items()))
+            out.append(
+                Finding(
+                    code="DIST.DESYNC",
+                    severity=Severity.HIGH,
+                    title=f"Ranks disagree on how far training got (gather {check.gather})",
+                    detail=f"At gather {check.gather} the counters differ from the majority: {parts}.",
+                    recommendation=_DESYNC_ADVICE,
+                    ranks=tuple(sorted(bad)),
+                    evidence={"gather": float(check.gather)},
+                )
+            )
+            break  # the first divergence is what matters; later ones follow from it
+    div = a.distributed.sync_divergence
+    if div is not None:
+        counts = ", ".join(f"rank {r}: {c:g}" for r, c in zip(div.ranks, div.counts, strict=False))
+        out.append(
+            Finding(
+                code="DIST.DESYNC",
+                severity=Severity.HIGH,
+                title=f"Gradient syncs diverge at step {div.step}",
+                detail=(
+                    f"At step {div.step} rank(s) {_ranks(div.ranks)} did a different number of gradient "
+                    f"syncs than the majority ({div.majority:g}): {counts} (NaN = no record). From here "
+                    f"their cumulative sync counts differ."
+                ),
+                recommendation=_DESYNC_ADVICE,
+                ranks=div.ranks,
+                steps=(div.step,),
+                evidence={"step": float(div.step), "majority": div.majority},
+            )
+        )
+    return out
+
+
+_DESYNC_ADVICE = (
+    "Look for rank-dependent control flow around backward and the optimizer step first: uneven numbers of "
+    "batches per rank (drop_last, uneven shards), `no_sync()`/accumulation windows that differ by rank, or a "
+    "skipped step (NaN guard, grad scaler) on some ranks only."
+)
+
+REPLICA_REL_TOL = 1e-6
+"""Replicas hold bit-identical parameters in data parallel; 1e-6 relative leaves room for summation order."""
+
+
+@rule("DIST.REPLICA_DRIFT")
+def replica_drift(a: RunAnalysis) -> list[Finding]:
+    """Parameter checksums differing from the majority beyond REPLICA_REL_TOL."""
+    checks = a.ctx.replica_checks
+    if not checks:
+        return []
+    width = max(len(c.checksums) for c in checks)
+    sums = np.full((len(checks), width), np.nan)
+    for i, c in enumerate(checks):  # one row per gather, not per step
+        sums[i, : len(c.checksums)] = c.checksums
+    steps = np.array([c.step for c in checks])
+    with np.errstate(all="ignore"), np.testing.suppress_warnings() as sup:
+        sup.filter(RuntimeWarning)
+        majority = np.nanmedian(sums, axis=1, keepdims=True)
+        scale = np.maximum(np.nanmax(np.abs(sums), axis=1, keepdims=True), 1e-30)
+        drift = np.isfinite(sums) & (np.abs(sums - majority) > REPLICA_REL_TOL * scale)
+    rows = np.flatnonzero(drift.any(axis=1))
+    if rows.size == 0:
+        return []
+    first = int(rows[0])
+    ranks = tuple(int(r) for r in np.flatnonzero(drift.any(axis=0)))
+    first_ranks = np.flatnonzero(drift[first])
+    rel = float(np.max(np.abs(sums[first, first_ranks] - majority[first, 0])) / scale[first, 0])
+    return [
+        Finding(
+            code="DIST.REPLICA_DRIFT",
+            severity=Severity.HIGH,
+            title="Data-parallel replicas no longer hold the same parameters",
+            detail=(
+                f"From step {int(steps[first])} the parameter checksum of rank(s) {_ranks(first_ranks.tolist())} "
+                f"differs from the majority by {rel:.2e} (relative; tolerance {REPLICA_REL_TOL:g}); "
+                f"{rows.size} of {len(checks)} checks disagree. Training is no longer equivalent to one worker."
+            ),
+            recommendation=(
+                "Check for parameters updated outside DDP's gradient sync first: buffers or weights changed "
+                "in-place per rank, different random init without broadcast, an optimizer step skipped on some "
+                "ranks, or non-deterministic kernels acting on unsynchronised state."
+            ),
+            ranks=ranks,
+            steps=tuple(int(s) for s in steps[rows][:50]),
+            evidence={"first_step": float(steps[first]), "relative_difference": rel},
+        )
+    ]
+
+
+@rule("DIST.HANG")
+def hang(a: RunAnalysis) -> list[Finding]:
+    """Re-emits the watchdog's reports: the watchdog has already applied hang_timeout."""
+    return [Finding.from_dict(report) for report in a.ctx.hang_reports]
+
+
+# --- data --------------------------------------------------------------------------------------------------
+
+INPUT_MIN_SHARE = 0.10
+"""Data wait >= 10% of a rank's wall: below that, prefetching cannot win much."""
+INPUT_MIN_MS = 1.0
+"""...and >= 1 ms per step (median): a 0.3 ms in-memory fetch is not a data-loading problem."""
+INPUT_MED_SHARE = 0.15
+INPUT_HIGH_SHARE = 0.30
+"""Severity by the worst rank's share: 15% MED, 30% HIGH."""
+
+
+@rule("DATA.INPUT_BOUND")
+def input_bound(a: RunAnalysis) -> list[Finding]:
+    ranks = [
+        r for r in a.distributed.per_rank if r.data_share >= INPUT_MIN_SHARE and r.data_ms >= INPUT_MIN_MS
+    ]
+    if not ranks:
+        return []
+    worst = max(ranks, key=lambda r: r.data_share)
+    share = worst.data_share
+    sev = (
+        Severity.HIGH
+        if share >= INPUT_HIGH_SHARE
+        else (Severity.MED if share >= INPUT_MED_SHARE else Severity.LOW)
+    )
+    some = len(ranks) < len(a.distributed.per_rank)
+    who = f"Ranks {_ranks(r.rank for r in ranks)} wait" if some else "Every rank waits"
+    return [
+        Finding(
+            code="DATA.INPUT_BOUND",
+            severity=sev,
+            title="Training waits for input data" + (" on some ranks" if some else ""),
+            detail=(
+                f"{who} for the next batch: up to {worst.data_ms:.2f} ms per step (median, rank "
+                f"{worst.rank}), {_pct(share)} of its wall time."
+            ),
+            recommendation=(
+                "Raise DataLoader num_workers and prefetch_factor, set pin_memory=True and "
+                "persistent_workers=True, and move decoding/augmentation off the main process; "
+                + (
+                    "check those ranks' storage and shards first."
+                    if some
+                    else "check storage throughput first."
+                )
+            ),
+            ranks=tuple(r.rank for r in ranks) if some else (),
+            evidence={"data_ms": worst.data_ms, "data_share": share},
+        )
+    ]
+
+
+# --- convergence -------------------------------------------------------------------------------------------
+
+
+@rule("CONVERGENCE.NONFINITE")
+def nonfinite(a: RunAnalysis) -> list[Finding]:
+    """The first NaN/Inf loss. No floor: one non-finite loss poisons the weights."""
+    c = a.convergence
+    if c.nonfinite_step is None:
+        return []
+    return [
+        Finding(
+            code="CONVERGENCE.NONFINITE",
+            severity=Severity.HIGH,
+            title=f"The loss became non-finite at step {c.nonfinite_step}",
+            detail=(
+                f"First NaN/Inf loss at step {c.nonfinite_step} on rank(s) {_ranks(c.nonfinite_ranks)}; the "
+                f"last finite loss was {c.last_loss:.4g}."
+            ),
+            recommendation=(
+                "Lower the learning rate or add warm-up, clip gradients, and check the batch at that step "
+                "for bad values; under fp16 use a GradScaler (or bf16)."
+            ),
+            ranks=c.nonfinite_ranks,
+            steps=(c.nonfinite_step,),
+            evidence={"step": float(c.nonfinite_step)},
+        )
+    ]
+
+
+SPIKE_MED_COUNT = 3
+"""Three or more spikes (or one that doubles the loss) make it MED: the run is unstable, not unlucky."""
+SPIKE_MED_RATIO = 2.0
+
+
+@rule("CONVERGENCE.SPIKE")
+def spike(a: RunAnalysis) -> list[Finding]:
+    """Floors live in convergence.py: >= 6 robust sigmas and >= 25% above the trailing median."""
+    spikes = a.convergence.spikes
+    if not spikes:
+        return []
+    worst = max(spikes, key=lambda s: s.loss / s.baseline if s.baseline > 0 else math.inf)
+    ratio = worst.loss / worst.baseline if worst.baseline > 0 else math.inf
+    sev = Severity.MED if len(spikes) >= SPIKE_MED_COUNT or ratio >= SPIKE_MED_RATIO else Severity.LOW
+    listed = ", ".join(str(s.step) for s in spikes[:10]) + (" ..." if len(spikes) > 10 else "")
+    return [
+        Finding(
+            code="CONVERGENCE.SPIKE",
+            severity=sev,
+            title=f"{len(spikes)} loss spike(s)",
+            detail=(
+                f"Loss jumped well above its trailing median at step(s) {listed}; the largest went "
+                f"from {worst.baseline:.4g} to {worst.loss:.4g} (x{ratio:.2f}) at step {worst.step}."
+            ),
+            recommendation=(
+                "Inspect the batches at those steps for outliers; if spikes recur, lower the learning rate, "
+                "clip gradients, or raise Adam's epsilon."
+            ),
+            steps=tuple(s.step for s in spikes[:50]),
+            evidence={"count": float(len(spikes)), "max_ratio": ratio},
+        )
+    ]
+
+
+@rule("CONVERGENCE.NO_PROGRESS")
+def no_progress(a: RunAnalysis) -> list[Finding]:
+    """A "flat" (MED) or "worsening" (HIGH) trend; the floors (t >= 3.9 one-sided, >= 5% change, >= 100
+    finite steps) live in convergence.py."""
+    t = a.convergence.trend
+    if t.trend not in ("flat", "worsening"):
+        return []
+    worse = t.trend == "worsening"
+    return [
+        Finding(
+            code="CONVERGENCE.NO_PROGRESS",
+            severity=Severity.HIGH if worse else Severity.MED,
+            title="The loss is getting worse" if worse else "The loss has stopped improving",
+            detail=(
+                f"Over {t.finite_steps} counted steps the mean loss of the last quarter differs from the first "
+                f"quarter by {_pct(t.relative_change)} (t = {t.t:.1f}); "
+                + ("a significant rise." if worse else "no significant decrease of at least 5%.")
+            ),
+            recommendation=(
+                "Check the learning-rate schedule and that the optimizer steps the right parameters (no frozen "
+                "or detached model); if the model has converged, stop or lower the learning rate."
+            ),
+            evidence={"relative_change": t.relative_change, "t": t.t},
+        )
+    ]
+
+
+# --- timing and memory -------------------------------------------------------------------------------------
+
+JITTER_P95_RATIO = 1.5
+"""p95 step >= 1.5x the median: steps are not just noisy but sometimes much slower."""
+JITTER_MIN_COST = 0.05
+"""Time above the median step >= 5% of wall: the slow steps must cost something."""
+JITTER_MED_COST = 0.15
+JITTER_MIN_STEPS = 20
+
+
+@rule("TIMING.JITTER")
+def jitter(a: RunAnalysis) -> list[Finding]:
+    t = a.timing
+    if t.steps_counted < JITTER_MIN_STEPS or not t.median_ms > 0:
+        return []
+    ratio = t.p95_ms / t.median_ms
+    if ratio < JITTER_P95_RATIO or t.jitter_cost_share < JITTER_MIN_COST:
+        return []
+    return [
+        Finding(
+            code="TIMING.JITTER",
+            severity=Severity.MED if t.jitter_cost_share >= JITTER_MED_COST else Severity.LOW,
+            title="Step time is unstable",
+            detail=(
+                f"p95 step {t.p95_ms:.2f} ms vs median {t.median_ms:.2f} ms (x{ratio:.2f}); time above the "
+                f"median step is {_pct(t.jitter_cost_share)} of wall."
+            ),
+            recommendation=(
+                "Look for periodic work inside steps (logging, checkpointing, garbage collection, data loader "
+                "worker restarts) and for other jobs sharing the host; `pytscope trace` shows which phase grows."
+            ),
+            evidence={"p95_ratio": ratio, "cost_share": t.jitter_cost_share},
+        )
+    ]
+
+
+GROWTH_MIN_RELATIVE = 0.10
+"""Peak memory up >= 10% from the first to the last quarter of the run..."""
+GROWTH_MIN_BYTES = 64 * 2**20
+"""...and by >= 64 MiB: allocator caching moves by less."""
+GROWTH_MIN_T = 3.9
+"""...and significantly (same one-sided test as the loss trend)."""
+GROWTH_MED_RELATIVE = 0.25
+
+
+@rule("MEMORY.GROWTH")
+def memory_growth(a: RunAnalysis) -> list[Finding]:
+    m = a.memory
+    if not (
+        m.growth_relative >= GROWTH_MIN_RELATIVE
+        and m.growth_bytes >= GROWTH_MIN_BYTES
+        and m.growth_t >= GROWTH_MIN_T
+    ):
+        return []
+    return [
+        Finding(
+            code="MEMORY.GROWTH",
+            severity=Severity.MED if m.growth_relative >= GROWTH_MED_RELATIVE else Severity.LOW,
+            title="Memory keeps climbing",
+            detail=(
+                f"Per-step peak memory rose by {m.growth_bytes / 2**20:.0f} MiB ({_pct(m.growth_relative)}) "
+                f"from the first to the last quarter of the run (t = {m.growth_t:.1f}); peak "
+                f"{m.peak_bytes / 2**30:.2f} GiB on rank {m.peak_rank}."
+            ),
+            recommendation=(
+                "Look for tensors kept across steps first: losses accumulated without .item()/.detach(), "
+                "growing lists of outputs or metrics, caches keyed by input shape."
+            ),
+            ranks=(m.peak_rank,) if m.peak_rank is not None else (),
+            evidence={"growth_bytes": m.growth_bytes, "growth_relative": m.growth_relative},
+        )
+    ]
+
+
+PRESSURE_MED = 0.90
+"""Peak >= 90% of the device/host limit: fragmentation or a longer batch can push it over."""
+PRESSURE_HIGH = 0.97
+
+
+@rule("MEMORY.PRESSURE")
+def memory_pressure(a: RunAnalysis) -> list[Finding]:
+    m = a.memory
+    if m.peak_fraction is None or not m.peak_fraction >= PRESSURE_MED or not m.limit_bytes:
+        return []
+    limit = m.limit_bytes
+    ranks = tuple(
+        int(r)
+        for r, p in zip(range(len(m.rank_peaks)), m.rank_peaks, strict=False)
+        if p / limit >= PRESSURE_MED
+    )
+    return [
+        Finding(
+            code="MEMORY.PRESSURE",
+            severity=Severity.HIGH if m.peak_fraction >= PRESSURE_HIGH else Severity.MED,
+            title="Memory is close to the limit",
+            detail=(
+                f"Peak {m.peak_bytes / 2**30:.2f} GiB on rank {m.peak_rank} is {_pct(m.peak_fraction)} of "
+                f"the {limit / 2**30:.2f} GiB limit."
+            ),
+            recommendation=(
+                "Reduce the micro-batch size and use gradient accumulation, enable activation checkpointing, "
+                "or use bf16; set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True against fragmentation."
+            ),
+            ranks=ranks,
+            evidence={"peak_bytes": m.peak_bytes, "peak_fraction": m.peak_fraction},
+        )
+    ]
+
+
+# --- efficiency --------------------------------------------------------------------------------------------
+
+RECOVERABLE_MIN_TOTAL = 0.10
+"""Only speak when >= 10% of wall is recoverable in total..."""
+RECOVERABLE_MIN_LINE = 0.05
+"""...and name the lines that are >= 5% each."""
+_ADVICE = {
+    "data wait": "faster input pipeline (more workers, prefetch)",
+    "exposed transfer": "more comm/compute overlap or fewer syncs",
+    "sync wait (imbalance)": "balance the ranks' work (see straggler findings)",
+    "other": "move logging/callbacks off the step",
+}
+
+
+@rule("EFFICIENCY.RECOVERABLE")
+def recoverable(a: RunAnalysis) -> list[Finding]:
+    e = a.efficiency
+    lines = sorted(
+        (x for x in e.budget if x.recoverable and x.share >= RECOVERABLE_MIN_LINE), key=lambda x: -x.share
+    )
+    if e.recoverable_share < RECOVERABLE_MIN_TOTAL or not lines:
+        return []
+    listed = "; ".join(f"{x.name} {_pct(x.share)} ({x.ms_per_step:.2f} ms/step)" for x in lines)
+    return [
+        Finding(
+            code="EFFICIENCY.RECOVERABLE",
+            severity=Severity.LOW,
+            title=f"{_pct(e.recoverable_share)} of wall time is recoverable",
+            detail=f"Largest recoverable lines of the wall-time budget: {listed}.",
+            recommendation="Start with the largest line: "
+            + "; then ".join(_ADVICE[x.name] for x in lines)
+            + ".",
+            evidence={x.name: x.share for x in lines},
+        )
+    ]
+
+
+MFU_LOW = 0.30
+"""Below 30% of peak there is usually room (well-tuned dense training reaches 35-55%)."""
+MFU_MED = 0.10
+"""Below 10% the device is mostly idle or the model too small for it."""
+
+
+@rule("EFFICIENCY.LOW_MFU")
+def low_mfu(a: RunAnalysis) -> list[Finding]:
+    mfu = a.efficiency.mfu
+    if mfu is None or not mfu < MFU_LOW:
+        return []
+    return [
+        Finding(
+            code="EFFICIENCY.LOW_MFU",
+            severity=Severity.MED if mfu < MFU_MED else Severity.LOW,
+            title=f"Model FLOPs utilisation is {_pct(mfu)}",
+            detail=(
+                f"{a.ctx.flops_per_step:.3g} FLOPs per step in {a.timing.mean_ms:.2f} ms (mean) on a device "
+                f"with a {a.ctx.peak_flops:.3g} FLOP/s peak ({a.ctx.device})."
+            ),
+            recommendation=(
+                "Raise the per-device batch size, use bf16 autocast and fused kernels (torch.compile, flash "
+                "attention), and fix the largest recoverable budget line first."
+            ),
+            evidence={"mfu": mfu},
+        )
+    ]
+
+
+def straggler_gates() -> dict[str, float]:
+    """The straggler thresholds, for reports and documentation."""
+    return {
+        "min_excess": STRAGGLER_MIN_EXCESS,
+        "min_persistence": STRAGGLER_MIN_PERSISTENCE,
+        "min_cost_share": STRAGGLER_MIN_COST_SHARE,
+    }

@@ -1,0 +1,83 @@
+"""Step time and where it goes: median/p95 step wall and each phase's share of it.
+
+The job's step wall in a step is the mean of the ranks' walls (under DDP they are nearly equal: every rank
+waits for the slowest); phase shares are totals over counted steps and ranks divided by the total of all
+phases, so they add up to exactly 1 whatever rounding the records carry.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..arrays import RunArrays
+from ..records import PHASES
+from . import stats
+
+
+@dataclass(frozen=True)
+class PhaseTiming:
+    name: str
+    share: float  # of the step wall, over counted steps and ranks; shares of all phases sum to 1
+    median_ms: float  # median over counted steps of the rank-mean time in this phase
+
+
+@dataclass(frozen=True)
+class StepTiming:
+    steps_counted: int
+    median_ms: float
+    p95_ms: float
+    mean_ms: float
+    phases: tuple[PhaseTiming, ...]
+    jitter_cost_share: float  # wall above the median step, as a share of all wall: what instability costs
+
+    def phase(self, name: str) -> PhaseTiming:
+        return next(p for p in self.phases if p.name == name)
+
+
+def statistics_steps(arrays: RunArrays) -> np.ndarray:
+    """Steps the statistics use: the counted ones, or all of them when a short run is still in warm-up."""
+    counted = np.asarray(arrays.counted, dtype=bool)
+    return counted if counted.any() else np.ones(arrays.n_steps, dtype=bool)
+
+
+def step_wall_ms(arrays: RunArrays) -> np.ndarray:
+    """(S,) the job's wall time per step: the mean over ranks (NaN-aware)."""
+    return stats.mean_over_ranks(arrays.wall_ms)
+
+
+def phase_ms_per_step(arrays: RunArrays) -> np.ndarray:
+    """(S, P) the rank-mean time per phase per step, reduced per step so no (S, R, P) temporary is made."""
+    s, r, p = arrays.phases.shape
+    if r == 0:
+        return np.full((s, p), np.nan)
+    if stats.has_gaps(arrays.wall_ms):
+        present = np.isfinite(arrays.wall_ms).sum(axis=1)
+        with np.errstate(all="ignore"):
+            return np.nansum(arrays.phases, axis=1, dtype=np.float64) / present[:, None]
+    return np.asarray(arrays.phases.sum(axis=1, dtype=np.float64) / r)
+
+
+def step_timing(arrays: RunArrays, wall: np.ndarray, phase_ms: np.ndarray) -> StepTiming:
+    """Median, p95 and phase breakdown of the counted steps (`wall` (S,) and `phase_ms` (S, P) per step)."""
+    sel = statistics_steps(arrays)
+    w = wall[sel]
+    w = w[np.isfinite(w)]
+    pm = phase_ms[sel]
+    pm = pm[np.all(np.isfinite(pm), axis=1)]
+    totals = pm.sum(axis=0) if pm.size else np.zeros(len(PHASES))
+    grand = float(totals.sum())
+    shares = totals / grand if grand > 0 else np.zeros(len(PHASES))
+    medians = np.median(pm, axis=0) if pm.shape[0] else np.full(len(PHASES), np.nan)
+    median = float(np.median(w)) if w.size else math.nan
+    jitter = float(np.clip(w - median, 0, None).sum() / w.sum()) if w.size and w.sum() > 0 else 0.0
+    return StepTiming(
+        steps_counted=int(w.size),
+        median_ms=median,
+        p95_ms=float(np.quantile(w, 0.95)) if w.size else math.nan,
+        mean_ms=float(w.mean()) if w.size else math.nan,
+        phases=tuple(PhaseTiming(name, float(shares[i]), float(medians[i])) for i, name in enumerate(PHASES)),
+        jitter_cost_share=jitter,
+    )
