@@ -1,0 +1,121 @@
+"""`pytscope demo`: a small real DDP job on CPU (gloo, spawned processes) with one fault injected.
+
+Faults are injected by busy-waiting, not sleeping, so the slow rank really burns its core the way a slow
+data loader or a heavier shard does. The model is a small MLP learning a fixed random linear map, so the
+loss genuinely goes down in a healthy run.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+SCENARIOS = ("straggler", "healthy", "hang", "input", "spike")
+STRAGGLER_SPIN_MS = 4.0  # extra local work of the slow rank per step
+INPUT_SPIN_MS = 6.0  # extra time per batch in the data loader's collate (every rank)
+SPIKE_STEPS = (160, 230)  # steps whose inputs are scaled up, so the loss really jumps
+HANG_STEP = 30  # step at which the last rank stops joining the collectives
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def spin(ms: float) -> None:
+    end = time.perf_counter() + ms / 1e3
+    while time.perf_counter() < end:
+        pass
+
+
+def run_demo(
+    scenario: str = "straggler",
+    ranks: int = 2,
+    steps: int = 300,
+    run_dir: str | os.PathLike[str] | None = None,
+    interval: int = 50,
+    console: bool = True,
+) -> Path:
+    """Spawn `ranks` processes, train `steps` steps with the fault, and return the run directory."""
+    import torch.multiprocessing as mp
+
+    if scenario not in SCENARIOS:
+        raise ValueError(f"unknown scenario {scenario!r} (choose from {', '.join(SCENARIOS)})")
+    if ranks < 1:
+        raise ValueError("--ranks must be at least 1")
+    path = Path(run_dir) if run_dir is not None else Path("runs") / f"demo-{scenario}-{time.strftime('%Y%m%d-%H%M%S')}"
+    options = dict(scenario=scenario, steps=steps, run_dir=str(path), interval=interval, console=console)
+    mp.start_processes(_worker, args=(ranks, free_port(), options), nprocs=ranks, start_method="spawn", join=True)
+    return path
+
+
+def _worker(rank: int, world: int, port: int, options: dict[str, Any]) -> None:
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from .scope import Scope
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    scenario, steps = options["scenario"], options["steps"]
+    try:
+        model, loader = _job(rank, world, steps, input_spin_ms=INPUT_SPIN_MS if scenario == "input" else 0.0)
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+        scope = Scope(
+            options["run_dir"],
+            interval=options["interval"],
+            console=options["console"] and rank == 0,
+            hang_timeout=5.0 if scenario == "hang" else "auto",
+            integration="demo",
+        )
+        scope.watch(ddp, optimizer, loader)
+        step = 0
+        for x, y in loader:
+            step += 1
+            if scenario == "straggler" and rank == world - 1 and world > 1:
+                spin(STRAGGLER_SPIN_MS)
+            if scenario == "spike" and step in SPIKE_STEPS:
+                x = x * 25.0
+            if scenario == "hang" and rank == world - 1 and world > 1 and step == HANG_STEP:
+                spin(3600e3)  # never joins this step's all-reduce; the scope's watchdog ends the job
+            loss = F.cross_entropy(ddp(x), y)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            scope.log(loss=loss)
+        scope.finish()
+    finally:
+        dist.destroy_process_group()
+
+
+def _job(rank: int, world: int, steps: int, input_spin_ms: float) -> tuple[Any, Any]:
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+    from torch.utils.data.distributed import DistributedSampler
+
+    batch = 32
+    gen = torch.Generator().manual_seed(0)
+    teacher = torch.randn(64, 10, generator=gen)
+    x = torch.randn(steps * batch * world, 64, generator=gen)
+    y = (x @ teacher).argmax(dim=1)
+    dataset = TensorDataset(x, y)
+
+    def collate(items: list[Any]) -> Any:
+        if input_spin_ms:
+            spin(input_spin_ms)
+        return torch.stack([i[0] for i in items]), torch.stack([i[1] for i in items])
+
+    sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=0)
+    loader = DataLoader(dataset, batch_size=batch, sampler=sampler, collate_fn=collate)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10)
+    )
+    return model, loader

@@ -1,0 +1,215 @@
+"""The per-rank hot path: timeline marks from hooks, grouped into optimizer steps.
+
+Hooks call `mark()` (or `loop_top()` where a new iteration may begin). A step closes at the first loop top
+after an optimizer step, so a gradient-accumulation window is one step and the step's wall time runs loop
+top to loop top. Closed steps wait in `window` as raw marks until the scope turns them into record rows
+at the next gather: the hot path does two list appends per mark and nothing else.
+"""
+
+from __future__ import annotations
+
+import math
+import resource
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from .clocks import Clock, HostClock
+from .records import COL, NCOLS, PHASE_COLS
+from .timeline import Mark, attribute
+
+_RSS_UNIT = 1 if sys.platform == "darwin" else 1024  # ru_maxrss is bytes on macOS, KiB on Linux
+
+
+def host_peak_rss() -> float:
+    return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * _RSS_UNIT)
+
+
+class ClosedStep:
+    """One finished step, still as raw marks (timestamps resolve lazily, e.g. CUDA events)."""
+
+    __slots__ = ("step", "host_start_ns", "marks", "stamps", "loss", "samples", "mem", "syncs", "micro")
+
+    def __init__(
+        self,
+        step: int,
+        host_start_ns: int,
+        marks: list[int],
+        stamps: list[Any],
+        loss: Any,
+        samples: float,
+        mem: float,
+        syncs: int,
+        micro: int,
+    ) -> None:
+        self.step = step
+        self.host_start_ns = host_start_ns
+        self.marks = marks
+        self.stamps = stamps
+        self.loss = loss
+        self.samples = samples
+        self.mem = mem
+        self.syncs = syncs
+        self.micro = micro
+
+
+class StepRecorder:
+    """Collects one rank's steps. Not thread-safe beyond what list.append gives (autograd threads mark too)."""
+
+    def __init__(
+        self,
+        clock: Clock | None = None,
+        memory: Callable[[], float] = host_peak_rss,
+        host_ns: Callable[[], int] | None = None,
+    ) -> None:
+        self.clock: Clock = clock or HostClock()
+        self._now = self.clock.now
+        self._memory = memory
+        self._host_ns = host_ns or HostClock.now
+        self.on_step_closed: Callable[[], None] | None = None  # the scope's gather check
+        self.steps_done = 0  # optimizer steps completed, counting those before a resume
+        self.grad_syncs = 0
+        self.micro_batches = 0
+        self.window: list[ClosedStep] = []
+        self._marks: list[int] = []
+        self._stamps: list[Any] = []
+        self._open = False
+        self._stepped = False
+        self._host_start = 0
+        self._loss: Any = None
+        self._samples = 0.0
+        self._step_syncs = 0
+        self._step_micro = 0
+
+    # -- hot path -------------------------------------------------------------------------------------
+    def mark(self, mark: int) -> None:
+        if self._open:
+            self._marks.append(mark)
+            self._stamps.append(self._now())
+
+    def loop_top(self, mark: int) -> None:
+        """A mark where a new iteration may begin (fetching data, or the forward when no loader is watched)."""
+        if self._stepped:
+            self._close_step()
+            if self.on_step_closed is not None:
+                self.on_step_closed()  # may gather: the next step starts after it
+            self._open_step()
+        elif not self._open:
+            self._open_step()
+        self._marks.append(mark)
+        self._stamps.append(self._now())
+
+    def optimizer_stepped(self) -> None:
+        self._marks.append(Mark.OPTIMIZER_END)
+        self._stamps.append(self._now())
+        self._stepped = True
+
+    def count_micro_batch(self, samples: float) -> None:
+        self._step_micro += 1
+        self._samples += samples
+
+    def count_grad_sync(self) -> None:
+        self._step_syncs += 1
+
+    def set_loss(self, loss: Any) -> None:
+        self._loss = loss
+
+    # -- step bookkeeping -----------------------------------------------------------------------------
+    @property
+    def in_step(self) -> bool:
+        return self._open
+
+    def _open_step(self) -> None:
+        self._open = True
+        self._stepped = False
+        self._host_start = self._host_ns()
+        self._marks = [Mark.STEP_START]
+        self._stamps = [self._now()]
+        self._loss = None
+        self._samples = 0.0
+        self._step_syncs = 0
+        self._step_micro = 0
+
+    def _close_step(self) -> None:
+        self._marks.append(Mark.STEP_END)
+        self._stamps.append(self._now())
+        self.steps_done += 1
+        self.grad_syncs += self._step_syncs
+        self.micro_batches += self._step_micro
+        self.window.append(
+            ClosedStep(
+                self.steps_done,
+                self._host_start,
+                self._marks,
+                self._stamps,
+                self._loss,
+                self._samples if self._step_micro else math.nan,
+                self._memory(),
+                self._step_syncs,
+                self._step_micro,
+            )
+        )
+        self._open = False
+        self._stepped = False
+
+    def close(self) -> None:
+        """End of training: close the open step if an optimizer step happened in it, else drop it."""
+        if self._stepped:
+            self._close_step()
+        self._open = False
+
+    def drain(self, rank: int, segment: int, epoch_offset_s: float) -> np.ndarray:
+        """Turn the closed steps into record rows (see records.COLUMNS) and empty the window.
+
+        `epoch_offset_s` converts host perf_counter seconds to seconds since the epoch.
+        """
+        window, self.window = self.window, []
+        rows = np.full((len(window), NCOLS), np.nan)
+        if not window:
+            return rows
+        flat = [s for w in window for s in w.stamps]
+        ms = self.clock.to_ms(flat)
+        losses = _losses_to_floats([w.loss for w in window])
+        pos = 0
+        for i, w in enumerate(window):
+            n = len(w.stamps)
+            phases, excluded, wall = attribute(w.marks, ms[pos : pos + n])
+            pos += n
+            row = rows[i]
+            row[COL["rank"]] = rank
+            row[COL["segment"]] = segment
+            row[COL["step"]] = w.step
+            row[COL["start_s"]] = w.host_start_ns / 1e9 + epoch_offset_s
+            row[COL["wall_ms"]] = wall
+            row[list(PHASE_COLS)] = phases
+            row[COL["excluded_ms"]] = excluded
+            row[COL["loss"]] = losses[i]
+            row[COL["samples"]] = w.samples
+            row[COL["mem_bytes"]] = w.mem
+            row[COL["grad_syncs"]] = w.syncs
+            row[COL["micro_batches"]] = w.micro
+        return rows
+
+
+def _losses_to_floats(losses: list[Any]) -> list[float]:
+    """Loss tensors stay on their device until here, so the hot path never forces a device sync."""
+    out = [math.nan] * len(losses)
+    tensors = []
+    where = []
+    for i, loss in enumerate(losses):
+        if loss is None:
+            continue
+        if isinstance(loss, (int, float)):
+            out[i] = float(loss)
+        else:
+            tensors.append(loss)
+            where.append(i)
+    if tensors:
+        import torch
+
+        values = torch.stack([t.detach().float().reshape(()) for t in tensors]).cpu().tolist()
+        for i, v in zip(where, values):
+            out[i] = v
+    return out

@@ -1,0 +1,234 @@
+"""The run directory: what rank 0 writes while training, and the tolerant reader behind every command.
+
+Layout (all plain data, append-only while training):
+  meta.json      settings and environment, written once when the run starts (atomically)
+  steps.f64      step records: raw little-endian float64 rows, `meta.json["columns"]` wide
+  events.jsonl   one JSON object per line: segments, counter and replica checks, live findings, hangs, errors
+  scalars.jsonl  rank 0's extra logged scalars, one line per step
+  summary.json / summary.txt   the end-of-run summary (atomically, at the end)
+A process killed at any moment loses at most the rows not yet gathered: a torn last row or line is ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .arrays import RunArrays
+from .context import CountsCheck, ReplicaCheck, RunContext, Segment
+from .findings import Finding
+from .records import COLUMNS, NCOLS
+
+FORMAT = "pytscope-run/1"
+
+
+class RunDirError(Exception):
+    """A run directory that cannot be read at all (missing, not a run, or junk)."""
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, (np.floating, np.integer)):
+        return _jsonable(value.item())
+    return value
+
+
+class RunWriter:
+    """Rank 0's appender. Every write is flushed, so a SIGKILL loses only what was not yet gathered."""
+
+    def __init__(self, path: str | os.PathLike[str], meta: dict[str, Any]) -> None:
+        self.path = Path(path)
+        self.path.mkdir(parents=True, exist_ok=True)
+        meta_path = self.path / "meta.json"
+        if not meta_path.exists():  # a resumed run keeps its original metadata
+            _atomic_write(meta_path, json.dumps(_jsonable({"format": FORMAT, "columns": list(COLUMNS), **meta}), indent=1))
+        self._steps = open(self.path / "steps.f64", "ab")
+        self._events = open(self.path / "events.jsonl", "a")
+        self._scalars = open(self.path / "scalars.jsonl", "a")
+        self._trim_torn_row()
+
+    def _trim_torn_row(self) -> None:
+        # A SIGKILL in the middle of a write leaves a partial row; appending after it would shift every row.
+        size = self._steps.tell()
+        torn = size % (NCOLS * 8)
+        if torn:
+            self._steps.truncate(size - torn)
+            self._steps.seek(size - torn)
+
+    def append_rows(self, rows: np.ndarray) -> None:
+        if rows.size:
+            self._steps.write(np.ascontiguousarray(rows, dtype="<f8").tobytes())
+            self._steps.flush()
+
+    def event(self, kind: str, **fields: Any) -> None:
+        self._events.write(json.dumps(_jsonable({"type": kind, **fields})) + "\n")
+        self._events.flush()
+
+    def scalars(self, lines: list[dict[str, Any]]) -> None:
+        if lines:
+            self._scalars.write("".join(json.dumps(_jsonable(line)) + "\n" for line in lines))
+            self._scalars.flush()
+
+    def write_summary(self, summary: dict[str, Any], text: str) -> None:
+        _atomic_write(self.path / "summary.json", json.dumps(_jsonable(summary), indent=1))
+        _atomic_write(self.path / "summary.txt", text)
+
+    def close(self) -> None:
+        for f in (self._steps, self._events, self._scalars):
+            f.close()
+
+
+@dataclass
+class Run:
+    path: Path
+    meta: dict[str, Any]
+    arrays: RunArrays
+    context: RunContext
+    live_findings: list[Finding] = field(default_factory=list)  # as printed during training
+    extra_findings: list[Finding] = field(default_factory=list)  # made by an integration, not by re-diagnosis
+    problems: list[str] = field(default_factory=list)  # what could not be read, said in the report
+
+
+def read_rows(path: Path, columns: list[str] | None = None) -> np.ndarray:
+    """The step rows on disk in the current column layout (a torn last row is dropped)."""
+    f = path / "steps.f64"
+    if not f.exists():
+        return np.empty((0, NCOLS))
+    columns = columns or list(COLUMNS)
+    width = len(columns)
+    raw = np.fromfile(f, dtype="<f8")
+    raw = raw[: raw.size - raw.size % width].reshape(-1, width)
+    if columns == list(COLUMNS):
+        return raw
+    rows = np.full((raw.shape[0], NCOLS), np.nan)
+    for i, name in enumerate(columns):
+        if name in COLUMNS:
+            rows[:, COLUMNS.index(name)] = raw[:, i]
+    return rows
+
+
+def read_events(path: Path) -> tuple[list[dict[str, Any]], int]:
+    """Events in order, and how many lines could not be parsed (a torn last line after a kill)."""
+    f = path / "events.jsonl"
+    events: list[dict[str, Any]] = []
+    bad = 0
+    if f.exists():
+        for line in f.read_text(errors="replace").splitlines():
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError:
+                bad += 1
+                continue
+            if isinstance(obj, dict):
+                events.append(obj)
+            else:
+                bad += 1
+    return events, bad
+
+
+def load_run(path: str | os.PathLike[str], warmup: int | None = None) -> Run:
+    root = Path(path)
+    if not root.exists():
+        raise RunDirError(f"{root}: no such run directory")
+    if not root.is_dir():
+        raise RunDirError(f"{root}: not a directory")
+    problems: list[str] = []
+    meta: dict[str, Any] = {}
+    meta_path = root / "meta.json"
+    if meta_path.exists():
+        try:
+            loaded = json.loads(meta_path.read_text())
+            if not isinstance(loaded, dict):
+                raise ValueError("not an object")
+            meta = loaded
+        except (ValueError, UnicodeDecodeError):
+            problems.append("meta.json is unreadable; defaults assumed")
+    if not meta and not (root / "steps.f64").exists():
+        raise RunDirError(f"{root}: not a pytscope run directory (no meta.json or steps.f64)")
+    columns = meta.get("columns")
+    if not (isinstance(columns, list) and all(isinstance(c, str) for c in columns) and "step" in columns):
+        columns = None
+    rows = read_rows(root, columns)
+    events, bad_lines = read_events(root)
+    for e in events:  # settings learnt during the run (e.g. measured FLOPs) arrive as "meta" events
+        if e.get("type") == "meta" and isinstance(e.get("fields"), dict):
+            meta.update(e["fields"])
+    if bad_lines:
+        problems.append(f"{bad_lines} unreadable line(s) in events.jsonl skipped")
+    w = int(meta.get("warmup", 5)) if warmup is None else warmup
+    arrays = RunArrays.from_rows(rows, warmup=w)
+    context = _context(meta, events, arrays, w)
+    live, extra = [], []
+    for e in events:
+        if e.get("type") == "finding":
+            try:
+                finding = Finding.from_dict(e["finding"])
+            except (KeyError, TypeError, ValueError):
+                problems.append("a live finding could not be read")
+                continue
+            (extra if e.get("source") == "integration" else live).append(finding)
+    return Run(root, meta, arrays, context, live, extra, problems)
+
+
+def _num(value: Any, default: float | None = None) -> float | None:
+    try:
+        return float(value) if value is not None else default
+    except (TypeError, ValueError):
+        return default
+
+
+def _context(meta: dict[str, Any], events: list[dict[str, Any]], arrays: RunArrays, warmup: int) -> RunContext:
+    segments, counts, replicas, hangs, errors = [], [], [], [], []
+    world = int(meta.get("world_size") or arrays.world_size or 1)
+    for e in events:
+        kind = e.get("type")
+        try:
+            if kind == "segment":
+                segments.append(
+                    Segment(int(e["index"]), float(e["started_s"]), int(e.get("resumed_from_step", 0)), int(e.get("world_size", world)))
+                )
+            elif kind == "counts_check":
+                counts.append(
+                    CountsCheck(int(e["gather"]), tuple(e["steps"]), tuple(e["grad_syncs"]), tuple(e["micro_batches"]))
+                )
+            elif kind == "replica_check":
+                replicas.append(ReplicaCheck(int(e["step"]), tuple(float(c) if c is not None else math.nan for c in e["checksums"])))
+            elif kind == "hang":
+                hangs.append(dict(e["finding"]))
+            elif kind == "scope_error":
+                errors.append(str(e.get("message", "")))
+        except (KeyError, TypeError, ValueError):
+            continue
+    return RunContext(
+        world_size=world,
+        interval=int(meta.get("interval", 50)),
+        warmup=warmup,
+        device=str(meta.get("device", "cpu")),
+        flops_per_step=_num(meta.get("flops_per_step")),
+        peak_flops=_num(meta.get("peak_flops")),
+        mem_limit_bytes=_num(meta.get("mem_limit_bytes")),
+        segments=tuple(segments),
+        counts_checks=tuple(counts),
+        replica_checks=tuple(replicas),
+        hang_reports=tuple(hangs),
+        scope_errors=tuple(errors),
+    )

@@ -1,0 +1,73 @@
+"""Marks on a step's timeline, and the pure function that turns them into phase times.
+
+Hooks only append `(mark, timestamp)` pairs while a step runs; the attribution happens later, off the hot
+path. Every interval between two consecutive marks goes to exactly one phase (the innermost one open), so
+the phases of a step always add up to its wall time, whatever order the hooks fire in.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+
+from .records import PHASES
+
+
+class Mark(enum.IntEnum):
+    STEP_START = 0  # loop top
+    DATA_BEGIN = 1
+    DATA_END = 2
+    FORWARD_BEGIN = 3
+    FORWARD_END = 4
+    BACKWARD_BEGIN = 5
+    GRAPH_DONE = 6  # autograd graph computed; the rest of backward is waiting for gradient all-reduce
+    BACKWARD_END = 7
+    OPTIMIZER_BEGIN = 8
+    OPTIMIZER_END = 9
+    PAUSE_BEGIN = 10  # validation, checkpointing, epoch ends: not charged to the step
+    PAUSE_END = 11
+    STEP_END = 12  # next loop top
+
+
+DATA, FORWARD, BACKWARD, COMM, OPTIMIZER, OTHER = range(len(PHASES))
+EXCLUDED = len(PHASES)
+
+# mark -> (phase it opens or None, phase it closes or None)
+_TRANSITIONS: dict[int, tuple[int | None, int | None]] = {
+    Mark.DATA_BEGIN: (DATA, None),
+    Mark.DATA_END: (None, DATA),
+    Mark.FORWARD_BEGIN: (FORWARD, None),
+    Mark.FORWARD_END: (None, FORWARD),
+    Mark.BACKWARD_BEGIN: (BACKWARD, None),
+    Mark.GRAPH_DONE: (COMM, BACKWARD),
+    Mark.BACKWARD_END: (None, COMM),
+    Mark.OPTIMIZER_BEGIN: (OPTIMIZER, None),
+    Mark.OPTIMIZER_END: (None, OPTIMIZER),
+    Mark.PAUSE_BEGIN: (EXCLUDED, None),
+    Mark.PAUSE_END: (None, EXCLUDED),
+}
+
+
+def attribute(marks: Sequence[int], times_ms: Sequence[float]) -> tuple[list[float], float, float]:
+    """Phase times of one step from its marks.
+
+    `marks[0]` is STEP_START and the last is STEP_END; `times_ms` are their timestamps on one clock.
+    Returns (per-phase ms in PHASES order, excluded ms, wall ms), where wall = span - excluded and the
+    phases sum to wall. A close without its open is ignored; an open never closed runs to the step end.
+    """
+    acc = [0.0] * (len(PHASES) + 1)
+    if len(marks) < 2:
+        return acc[:-1], 0.0, 0.0
+    stack: list[int] = []
+    prev = times_ms[0]
+    for mark, t in zip(marks[1:], times_ms[1:]):
+        acc[stack[-1] if stack else OTHER] += t - prev
+        prev = t
+        opens, closes = _TRANSITIONS.get(mark, (None, None))
+        if closes is not None and closes in stack:
+            del stack[stack.index(closes) :]
+        if opens is not None:
+            stack.append(opens)
+    excluded = acc[EXCLUDED]
+    span = times_ms[-1] - times_ms[0]
+    return acc[:-1], excluded, span - excluded
