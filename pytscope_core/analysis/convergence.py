@@ -126,6 +126,16 @@ def first_nonfinite(arrays: RunArrays) -> tuple[int | None, tuple[int, ...]]:
     s, r = loss.shape
     if s == 0 or r == 0:
         return None, ()
+    if loss.strides[1] == 0:  # the same loss on every rank: judge one column, blame every rank
+        step, ranks = first_nonfinite_columns(loss[:, :1], arrays.steps, arrays.ranks[:1])
+        return step, (tuple(int(x) for x in arrays.ranks) if step is not None else ())
+    return first_nonfinite_columns(loss, arrays.steps, arrays.ranks)
+
+
+def first_nonfinite_columns(
+    loss: np.ndarray, steps: np.ndarray, rank_ids: np.ndarray
+) -> tuple[int | None, tuple[int, ...]]:
+    s = loss.shape[0]
     bad = np.isinf(loss)
     finite = np.isfinite(loss)
     has_finite = finite.any(axis=0)
@@ -142,7 +152,7 @@ def first_nonfinite(arrays: RunArrays) -> tuple[int | None, tuple[int, ...]]:
     if not any_bad.any():
         return None, ()
     i = int(any_bad.argmax())
-    return int(arrays.steps[i]), tuple(int(arrays.ranks[j]) for j in np.flatnonzero(bad[i]))
+    return int(steps[i]), tuple(int(rank_ids[j]) for j in np.flatnonzero(bad[i]))
 
 
 def convergence(arrays: RunArrays, sel: np.ndarray) -> Convergence:

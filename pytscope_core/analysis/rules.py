@@ -221,7 +221,7 @@ def desync(a: RunAnalysis) -> list[Finding]:
             break  # the first divergence is what matters; later ones follow from it
     div = a.distributed.sync_divergence
     if div is not None:
-        counts = ", ".join(f"rank {r}: {c:g}" for r, c in zip(div.ranks, div.counts, strict=False))
+        listed = ", ".join(f"rank {r}: {c:g}" for r, c in zip(div.ranks, div.counts, strict=False))
         out.append(
             Finding(
                 code="DIST.DESYNC",
@@ -229,7 +229,7 @@ def desync(a: RunAnalysis) -> list[Finding]:
                 title=f"Gradient syncs diverge at step {div.step}",
                 detail=(
                     f"At step {div.step} rank(s) {_ranks(div.ranks)} did a different number of gradient "
-                    f"syncs than the majority ({div.majority:g}): {counts} (NaN = no record). From here "
+                    f"syncs than the majority ({div.majority:g}): {listed} (NaN = no record). From here "
                     f"their cumulative sync counts differ."
                 ),
                 recommendation=_DESYNC_ADVICE,

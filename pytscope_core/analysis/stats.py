@@ -21,10 +21,17 @@ def has_gaps(x: np.ndarray) -> bool:
     return bool(np.isnan(x).any()) if x.size else False
 
 
+MEDIAN_MAX_STEPS = 4096
+"""Per-rank medians use at most this many evenly spaced steps: a partition over 10,000 steps x 1,024 ranks
+costs 0.3 s each, and the sampling error of a median of 4,096 steps is far below step-to-step noise."""
+
+
 def median_over_steps(x: np.ndarray) -> np.ndarray:
     """Per-rank median of a (steps x ranks) array, ignoring NaN; NaN for a rank with no value."""
     if x.shape[0] == 0:
         return np.full(x.shape[1:], np.nan)
+    if x.shape[0] > MEDIAN_MAX_STEPS:
+        x = x[:: -(-x.shape[0] // MEDIAN_MAX_STEPS)]
     if not has_gaps(x):
         return np.asarray(np.median(x, axis=0), dtype=np.float64)
     with warnings.catch_warnings():

@@ -1,0 +1,189 @@
+"""The run summary: one frozen tree with everything a report shows, and its plain-JSON form.
+
+`summarize` runs the analysis once and the rules over it; `Summary.to_dict` is what `pytscope report --json`
+prints. Non-finite numbers become None there, so `json.dumps(..., allow_nan=False)` always works.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from .analysis.convergence import Convergence
+from .analysis.distributed import DistributedTiming
+from .analysis.efficiency import Efficiency
+from .analysis.memory import MemoryStats
+from .analysis.rules import run_rules
+from .analysis.run import analyze
+from .analysis.timing import StepTiming
+from .arrays import RunArrays
+from .context import RunContext
+from .findings import Finding
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    world_size: int
+    steps: int
+    first_step: int | None
+    last_step: int | None
+    device: str
+    restarts: int  # segments - 1: each resume from a checkpoint starts a new segment
+
+
+@dataclass(frozen=True)
+class Summary:
+    run: RunInfo
+    timing: StepTiming
+    distributed: DistributedTiming
+    convergence: Convergence
+    efficiency: Efficiency
+    memory: MemoryStats
+    findings: tuple[Finding, ...]
+    scope_errors: tuple[str, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        g = self.efficiency.goodput
+        d = self.distributed
+        c = self.convergence
+        m = self.memory
+        out = {
+            "run": {
+                "world_size": self.run.world_size,
+                "steps": self.run.steps,
+                "first_step": self.run.first_step,
+                "last_step": self.run.last_step,
+                "device": self.run.device,
+                "restarts": self.run.restarts,
+                "segments": [
+                    {
+                        "index": s.index,
+                        "started_s": s.started_s,
+                        "ended_s": s.ended_s,
+                        "first_step": s.first_step,
+                        "last_step": s.last_step,
+                        "steps": s.steps,
+                        "resumed_from_step": s.resumed_from_step,
+                        "world_size": s.world_size,
+                    }
+                    for s in g.segments
+                ],
+                "goodput": {
+                    "goodput": g.goodput,
+                    "elapsed_s": g.elapsed_s,
+                    "productive_s": g.productive_s,
+                    "downtime_s": g.downtime_s,
+                    "replayed_s": g.replayed_s,
+                    "warmup_s": g.warmup_s,
+                    "excluded_s": g.excluded_s,
+                    "unaccounted_s": g.unaccounted_s,
+                },
+            },
+            "timing": {
+                "steps_counted": self.timing.steps_counted,
+                "median_ms": self.timing.median_ms,
+                "p95_ms": self.timing.p95_ms,
+                "mean_ms": self.timing.mean_ms,
+                "phases": {p.name: {"share": p.share, "median_ms": p.median_ms} for p in self.timing.phases},
+            },
+            "distributed": {
+                "per_rank": [
+                    {
+                        "rank": r.rank,
+                        "local_ms": r.local_ms,
+                        "comm_ms": r.comm_ms,
+                        "sync_wait_ms": r.sync_wait_ms,
+                        "data_ms": r.data_ms,
+                        "critical_share": r.critical_share,
+                        "excess": r.excess,
+                        "slower_share": r.slower_share,
+                        "straggler": r.straggler,
+                    }
+                    for r in d.per_rank
+                ],
+                "stragglers": list(d.stragglers),
+                "transfer_ms": d.transfer_ms,
+                "transfer_share": d.transfer_share,
+                "sync_wait_share": d.sync_wait_share,
+                "lost_to_imbalance": d.lost_to_imbalance,
+                "lost_ms_per_step": d.lost_ms_per_step,
+                "split_is_estimate": d.split_is_estimate,
+            },
+            "convergence": {
+                "trend": c.trend.trend,
+                "trend_t": c.trend.t,
+                "relative_change": c.trend.relative_change,
+                "first_loss": c.first_loss,
+                "last_loss": c.last_loss,
+                "nonfinite_step": c.nonfinite_step,
+                "nonfinite_ranks": list(c.nonfinite_ranks),
+                "spikes": [{"step": s.step, "loss": s.loss, "baseline": s.baseline} for s in c.spikes],
+            },
+            "efficiency": {
+                "budget": [
+                    {
+                        "name": x.name,
+                        "share": x.share,
+                        "ms_per_step": x.ms_per_step,
+                        "recoverable": x.recoverable,
+                    }
+                    for x in self.efficiency.budget
+                ],
+                "recoverable_share": self.efficiency.recoverable_share,
+                "mfu": self.efficiency.mfu,
+            },
+            "memory": {
+                "peak_bytes": m.peak_bytes,
+                "peak_rank": m.peak_rank,
+                "growth_bytes": m.growth_bytes,
+                "limit_bytes": m.limit_bytes,
+                "peak_fraction": m.peak_fraction,
+            },
+            "findings": [f.to_dict() for f in self.findings],
+            "scope": {"errors": list(self.scope_errors)},
+        }
+        return _plain(out)
+
+
+def summarize(
+    arrays: RunArrays, ctx: RunContext, extra_findings: tuple[Finding, ...] | list[Finding] = ()
+) -> Summary:
+    """Analyse the run once, diagnose it, and add findings made elsewhere (e.g. DATA.UNEVEN_SHARDS)."""
+    analysis = analyze(arrays, ctx)
+    findings = run_rules(analysis) + list(extra_findings)
+    findings.sort(key=lambda f: (-int(f.severity), f.code, f.ranks))
+    return Summary(
+        run=RunInfo(
+            world_size=analysis.world_size,
+            steps=analysis.steps,
+            first_step=analysis.first_step,
+            last_step=analysis.last_step,
+            device=ctx.device,
+            restarts=max(len(analysis.efficiency.goodput.segments) - 1, 0),
+        ),
+        timing=analysis.timing,
+        distributed=analysis.distributed,
+        convergence=analysis.convergence,
+        efficiency=analysis.efficiency,
+        memory=analysis.memory,
+        findings=tuple(findings),
+        scope_errors=tuple(ctx.scope_errors),
+    )
+
+
+def _plain(x: Any) -> Any:
+    """Recursively replace non-finite floats (and numpy scalars) with JSON-safe values."""
+    if isinstance(x, dict):
+        return {str(k): _plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_plain(v) for v in x]
+    if isinstance(x, bool) or x is None or isinstance(x, str):
+        return x
+    if isinstance(x, int):
+        return int(x)
+    try:
+        f = float(x)
+    except (TypeError, ValueError):
+        return str(x)
+    return f if math.isfinite(f) else None
