@@ -85,9 +85,12 @@ class TorchHooks:
         self._handles.append(model.register_forward_pre_hook(self._forward_pre))
         self._handles.append(model.register_forward_hook(self._forward_post))
 
-    def watch_optimizer(self, optimizer: Any) -> None:
+    def watch_optimizer(self, optimizer: Any, pre_hook: bool = True) -> None:
+        """`pre_hook=False` where the framework runs forward and backward inside `step(closure)` (Lightning):
+        the integration then marks the optimizer's start itself."""
         inner = unwrap_optimizer(optimizer)
-        self._handles.append(inner.register_step_pre_hook(self._optimizer_pre))
+        if pre_hook:
+            self._handles.append(inner.register_step_pre_hook(self._optimizer_pre))
         self._handles.append(inner.register_step_post_hook(self._optimizer_post))
 
     def watch_loader(self, loader: Any) -> None:
@@ -130,18 +133,26 @@ class TorchHooks:
         if not self.active or self._in_backward or not module.training:
             return
         try:
-            rec = self.recorder
-            if not rec.in_step:
-                return
-            rec.mark(Mark.FORWARD_END)
-            rec.count_micro_batch(self._batch_samples)
-            t = first_grad_tensor(output)
-            if t is not None:
-                t.register_hook(self._output_grad)
-                # DDP decides in forward whether this backward all-reduces (no_sync() turns it off).
-                self._sync_pending = self.is_ddp and bool(getattr(module, "require_backward_grad_sync", True))
+            # DDP decides in forward whether this backward all-reduces (no_sync() turns it off).
+            self.forward_done(output, grad_sync=self.is_ddp and bool(getattr(module, "require_backward_grad_sync", True)))
         except Exception as exc:
             self._on_error(exc)
+
+    def forward_done(self, output: Any, grad_sync: bool) -> None:
+        """End of a micro-batch's forward: its backward will be timed through a hook on `output`."""
+        rec = self.recorder
+        if not rec.in_step:
+            return
+        rec.mark(Mark.FORWARD_END)
+        rec.count_micro_batch(self._batch_samples)
+        t = first_grad_tensor(output)
+        if t is not None:
+            if self._queue_callback is None:
+                import torch
+
+                self._queue_callback = torch.autograd.Variable._execution_engine.queue_callback
+            t.register_hook(self._output_grad)
+            self._sync_pending = grad_sync
 
     # -- autograd -------------------------------------------------------------------------------------
     def backward_begin(self) -> None:
@@ -194,22 +205,32 @@ class TorchHooks:
     def next_batch(self, it: Iterator[Any]) -> Any:
         if not self.active:
             return next(it)
+        self.data_begin()
+        try:
+            batch = next(it)
+        except StopIteration:
+            self.epoch_end()
+            raise
+        self.data_end(batch)
+        return batch
+
+    def data_begin(self) -> None:
+        """Loop top: the wait for the next batch starts."""
         rec = self.recorder
         if self._epoch_paused:
             rec.mark(Mark.PAUSE_END)
             self._epoch_paused = False
         rec.loop_top(Mark.DATA_BEGIN)
-        try:
-            batch = next(it)
-        except StopIteration:
-            # Between epochs (evaluation, checkpointing) is not part of any step.
-            rec.mark(Mark.DATA_END)
-            rec.mark(Mark.PAUSE_BEGIN)
-            self._epoch_paused = True
-            raise
-        rec.mark(Mark.DATA_END)
+
+    def data_end(self, batch: Any) -> None:
+        self.recorder.mark(Mark.DATA_END)
         self._batch_samples = batch_size(batch)
-        return batch
+
+    def epoch_end(self) -> None:
+        # Between epochs (evaluation, checkpointing) is not part of any step.
+        self.recorder.mark(Mark.DATA_END)
+        self.recorder.mark(Mark.PAUSE_BEGIN)
+        self._epoch_paused = True
 
     _epoch_paused = False
 

@@ -121,6 +121,14 @@ class StepRecorder:
     def in_step(self) -> bool:
         return self._open
 
+    @property
+    def completed(self) -> tuple[int, int, int]:
+        """(optimizer steps, gradient syncs, micro-batches) done so far, counting the step that has just
+        stepped but not yet closed (a checkpoint saved right after `optimizer.step()` includes it)."""
+        if self._stepped:
+            return (self.steps_done + 1, self.grad_syncs + self._step_syncs, self.micro_batches + self._step_micro)
+        return (self.steps_done, self.grad_syncs, self.micro_batches)
+
     def _open_step(self) -> None:
         self._open = True
         self._stepped = False

@@ -112,23 +112,78 @@ class Scope:
         self._atexit_registered = False
 
     # -- user API -------------------------------------------------------------------------------------
-    def watch(self, model: Any, optimizer: Any | list[Any] | tuple[Any, ...], loader: Any = None) -> Scope:
-        """Install the hooks: forward and graph-done on `model`, step hooks on each optimizer, batch waits on `loader`."""
-        if self._clock is None and _on_cuda(model):
-            self.recorder.clock = CudaEventClock()
-            self.recorder._now = self.recorder.clock.now
-            self.recorder._memory = _cuda_peak_memory
-        self._model = model
-        self.hooks.watch_model(model)
-        for opt in optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]:
-            self.hooks.watch_optimizer(opt)
+    def watch(
+        self,
+        model: Any = None,
+        optimizer: Any | list[Any] | tuple[Any, ...] = None,
+        loader: Any = None,
+        *,
+        optimizer_pre_hook: bool = True,
+        manual_data: bool = False,
+    ) -> Scope:
+        """Install the hooks: forward and graph-done on `model`, step hooks on each optimizer, batch waits on
+        `loader`. Integrations that see the loop themselves pass `manual_data=True` and call `data_begin()` /
+        `data_end()` (and may leave `model` out and call `forward_begin()` / `forward_end()`)."""
+        if model is not None:
+            if self._clock is None and _on_cuda(model):
+                self.use_cuda_clock()
+            self._model = model
+            self.hooks.watch_model(model)
+        if optimizer is not None:
+            for opt in optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]:
+                self.hooks.watch_optimizer(opt, pre_hook=optimizer_pre_hook)
         if loader is not None:
             self.hooks.watch_loader(loader)
+        if manual_data:
+            self.hooks.loader_watched = True
         if not self._atexit_registered:
             ref = weakref.ref(self)
             atexit.register(lambda: (s := ref()) is not None and s.finish())
             self._atexit_registered = True
         return self
+
+    def use_cuda_clock(self) -> None:
+        """Time phases with CUDA events (execution, not launch), resolved lazily at each gather."""
+        self.recorder.clock = CudaEventClock()
+        self.recorder._now = self.recorder.clock.now
+        self.recorder._memory = _cuda_peak_memory
+
+    def watch_replicas(self, model: Any) -> None:
+        """Compare this data-parallel model's parameters across ranks at every gather."""
+        self._model = model
+        self.hooks.is_ddp = True
+
+    # -- marks for integrations that see the training loop themselves -------------------------------------
+    def data_begin(self) -> None:
+        if self.enabled:
+            self.hooks.data_begin()
+
+    def data_end(self, batch: Any = None) -> None:
+        if self.enabled:
+            self.hooks.data_end(batch)
+
+    def forward_begin(self) -> None:
+        if self.enabled:
+            self.recorder.mark(Mark.FORWARD_BEGIN)
+
+    def forward_end(self, output: Any, grad_sync: bool = False) -> None:
+        """`output` (e.g. the loss) is hooked so that its backward is timed; `grad_sync`: this backward all-reduces."""
+        if self.enabled:
+            try:
+                self.hooks.forward_done(output, grad_sync)
+            except Exception as exc:
+                self._fail(exc)
+
+    def optimizer_begin(self) -> None:
+        if self.enabled:
+            self.recorder.mark(Mark.OPTIMIZER_BEGIN)
+
+    def pause(self) -> None:
+        """Time until `resume()` is not charged to the step (validation, checkpoint saving)."""
+        self.recorder.mark(Mark.PAUSE_BEGIN)
+
+    def resume(self) -> None:
+        self.recorder.mark(Mark.PAUSE_END)
 
     def log(self, **scalars: Any) -> None:
         """Record scalars for the current step. `loss` drives convergence analysis; tensors are never synced here."""
@@ -143,11 +198,11 @@ class Scope:
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
         """Time inside is not charged to the step (validation, checkpoint saving)."""
-        self.recorder.mark(Mark.PAUSE_BEGIN)
+        self.pause()
         try:
             yield
         finally:
-            self.recorder.mark(Mark.PAUSE_END)
+            self.resume()
 
     def add_finding(self, finding: Finding) -> None:
         """A finding an integration made itself (e.g. DATA.UNEVEN_SHARDS); rank 0 keeps, prints and stores it."""
@@ -159,7 +214,7 @@ class Scope:
     def all_gather_ints(self, values: list[int]) -> list[list[int]] | None:
         """Every rank's `values` on the scope's own group (None if not distributed). Collective."""
         if self._gatherer is None:
-            return None if self.world_size == 1 else None
+            return None
         import torch
 
         t = torch.tensor(values, dtype=torch.int64)
@@ -169,12 +224,13 @@ class Scope:
 
     def state_dict(self) -> dict[str, Any]:
         """Small, plain, rank-agnostic: the same on every rank of a healthy job."""
+        steps, syncs, micro = self.recorder.completed
         return {
             "version": 1,
             "run_dir": str(self.run_dir) if self.run_dir is not None else None,
-            "step": self.recorder.steps_done,
-            "grad_syncs": self.recorder.grad_syncs,
-            "micro_batches": self.recorder.micro_batches,
+            "step": steps,
+            "grad_syncs": syncs,
+            "micro_batches": micro,
             "segment": self.segment,
         }
 
