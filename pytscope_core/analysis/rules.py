@@ -93,6 +93,7 @@ def straggler(a: RunAnalysis) -> list[Finding]:
     rank = d.stragglers[0]
     me = d.rank(rank)
     others = float(np.median([r.local_ms for r in d.per_rank if r.rank != rank]))
+    others_data = float(np.median([r.data_ms for r in d.per_rank if r.rank != rank]))
     return [
         Finding(
             code="DIST.STRAGGLER",
@@ -108,7 +109,7 @@ def straggler(a: RunAnalysis) -> list[Finding]:
             ),
             recommendation=(
                 f"Check rank {rank}'s host first: other processes or throttling on that CPU/GPU, its data "
-                f"loader (data wait {me.data_ms:.2f} ms vs the others') and shard size, then compare its "
+                f"loader (data wait {me.data_ms:.2f} ms vs {others_data:.2f} ms on the others) and shard size, then compare its "
                 f"phases with the others' in `pytscope trace`."
             ),
             ranks=(rank,),
@@ -369,7 +370,7 @@ def nonfinite(a: RunAnalysis) -> list[Finding]:
             title=f"The loss became non-finite at step {c.nonfinite_step}",
             detail=(
                 f"First NaN/Inf loss at step {c.nonfinite_step} on rank(s) {_ranks(c.nonfinite_ranks)}; the "
-                f"last finite loss was {c.last_loss:.4g}."
+                f"run's last finite loss is {c.last_loss:.4g}."
             ),
             recommendation=(
                 "Lower the learning rate or add warm-up, clip gradients, and check the batch at that step "

@@ -1,0 +1,212 @@
+"""Console rendering: pure functions from a `Summary` (or findings) to rich renderables.
+
+Nothing here measures or decides; it lays out what the summary says. The output stays small for any run
+length (the loss chart is at most 40 block means, the rank table at most 12 rows plus an omission line),
+percentages of a breakdown are rounded so that the printed ones add up to exactly 100, and NaN/inf print
+as "n/a" instead of breaking the layout.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from rich.console import Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+
+from .findings import Finding, Severity
+from .summary import Summary
+
+BAR_WIDTH = 30
+SPARK_CHARS = "▁▂▃▄▅▆▇█"
+MAX_RANK_ROWS = 16
+"""Above this many ranks the table shows the slowest 8 and the fastest 4 by local work."""
+_SEVERITY_STYLE = {Severity.HIGH: "bold red", Severity.MED: "yellow", Severity.LOW: "dim"}
+
+
+def _num(x: float | None, fmt: str = ".2f", unit: str = "") -> str:
+    if x is None or not math.isfinite(x):
+        return "n/a"
+    return f"{x:{fmt}}{unit}"
+
+
+def percentages(shares: Sequence[float], decimals: int = 1) -> list[float]:
+    """Round shares to percentages with `decimals` places that add up to exactly 100 (largest remainder)."""
+    scale = 10**decimals
+    clean = [s if math.isfinite(s) and s > 0 else 0.0 for s in shares]
+    total = sum(clean)
+    if total <= 0:
+        return [0.0 for _ in shares]
+    raw = [s / total * 100 * scale for s in clean]
+    floors = [math.floor(r) for r in raw]
+    missing = 100 * scale - sum(floors)
+    order = sorted(range(len(raw)), key=lambda i: raw[i] - floors[i], reverse=True)
+    for i in order[:missing]:
+        floors[i] += 1
+    return [f / scale for f in floors]
+
+
+def sparkline(values: Sequence[float]) -> str:
+    """One character per value (callers pass at most ~40 block means); non-finite values print as a space."""
+    finite = [v for v in values if math.isfinite(v)]
+    if not finite:
+        return ""
+    lo, hi = min(finite), max(finite)
+    span = hi - lo
+    out = []
+    for v in values:
+        if not math.isfinite(v):
+            out.append(" ")
+        else:
+            level = 0 if span <= 0 else int((v - lo) / span * (len(SPARK_CHARS) - 1))
+            out.append(SPARK_CHARS[level])
+    return "".join(out)
+
+
+def _section(title: str) -> Text:
+    return Text(f"\n{title}", style="bold underline")
+
+
+def render_run(summary: Summary) -> RenderableType:
+    r = summary.run
+    g = summary.efficiency.goodput
+    table = Table.grid(padding=(0, 2))
+    table.add_row("world size", str(r.world_size))
+    table.add_row(
+        "steps", f"{r.steps}" + (f" ({r.first_step}-{r.last_step})" if r.first_step is not None else "")
+    )
+    table.add_row("restarts", str(r.restarts))
+    table.add_row("elapsed", _num(g.elapsed_s, ".1f", " s"))
+    goodput = "n/a" if not math.isfinite(g.goodput) else f"{100 * g.goodput:.1f}%"
+    table.add_row(
+        "goodput",
+        f"{goodput} (downtime {_num(g.downtime_s, '.1f', ' s')}, replayed {_num(g.replayed_s, '.1f', ' s')}, "
+        f"warm-up {_num(g.warmup_s, '.1f', ' s')})",
+    )
+    if r.device:
+        table.add_row("device", r.device)
+    return Group(_section("Run summary"), table)
+
+
+def render_timing(summary: Summary) -> RenderableType:
+    t = summary.timing
+    head = Text(
+        f"step time: median {_num(t.median_ms)} ms, p95 {_num(t.p95_ms)} ms over {t.steps_counted} steps"
+    )
+    table = Table(box=None, show_header=True, pad_edge=False)
+    table.add_column("phase")
+    table.add_column("share", justify="right")
+    table.add_column("median ms", justify="right")
+    table.add_column("")
+    pcts = percentages([p.share for p in t.phases])
+    for p, pct in zip(t.phases, pcts, strict=False):
+        bar = "█" * round(pct / 100 * BAR_WIDTH)
+        table.add_row(p.name, f"{pct:.1f}%", _num(p.median_ms), bar)
+    return Group(_section("Step-time breakdown"), head, table)
+
+
+def render_convergence(summary: Summary) -> RenderableType:
+    c = summary.convergence
+    lines = [
+        f"trend: {c.trend.trend}"
+        + (
+            f" ({100 * c.trend.relative_change:+.1f}%, t = {c.trend.t:.1f})"
+            if math.isfinite(c.trend.t)
+            else ""
+        ),
+        f"loss: first {_num(c.first_loss, '.4g')}, last {_num(c.last_loss, '.4g')}",
+    ]
+    spark = sparkline(c.sparkline_values)
+    if spark:
+        lines.append(f"loss  {spark}")
+    if c.spikes:
+        steps = ", ".join(str(s.step) for s in c.spikes[:10]) + (" ..." if len(c.spikes) > 10 else "")
+        lines.append(f"spikes: {len(c.spikes)} at step(s) {steps}")
+    else:
+        lines.append("spikes: none")
+    if c.nonfinite_step is not None:
+        lines.append(f"non-finite loss first at step {c.nonfinite_step}")
+    return Group(_section("Convergence"), *(Text(line) for line in lines))
+
+
+def render_distributed(summary: Summary) -> RenderableType:
+    d = summary.distributed
+    head = Text(
+        f"transfer {_num(d.transfer_ms)} ms/step ({100 * d.transfer_share:.1f}% of wall), sync wait "
+        f"{100 * d.sync_wait_share:.1f}%, lost to imbalance {100 * d.lost_to_imbalance:.1f}% "
+        "(transfer/wait split is an estimate)"
+    )
+    rows = list(d.per_rank)
+    omitted = 0
+    if len(rows) > MAX_RANK_ROWS:
+        by_local = sorted(
+            rows, key=lambda r: r.local_ms if math.isfinite(r.local_ms) else -math.inf, reverse=True
+        )
+        rows = by_local[:8] + by_local[-4:]
+        omitted = len(d.per_rank) - len(rows)
+    table = Table(box=None, pad_edge=False)
+    for name in ("rank", "local ms", "comm ms", "sync wait ms", "critical path", ""):
+        table.add_column(name, justify="left" if name in ("", "rank") else "right")
+    for r in rows:
+        table.add_row(
+            str(r.rank),
+            _num(r.local_ms),
+            _num(r.comm_ms),
+            _num(r.sync_wait_ms),
+            f"{100 * r.critical_share:.0f}%",
+            "◀ straggler" if r.straggler else "",
+        )
+    parts: list[RenderableType] = [_section("Distributed"), head, table]
+    if omitted:
+        parts.append(Text(f"... {omitted} ranks omitted (showing the slowest 8 and fastest 4 by local work)"))
+    return Group(*parts)
+
+
+def render_efficiency(summary: Summary) -> RenderableType:
+    e = summary.efficiency
+    table = Table(box=None, pad_edge=False)
+    table.add_column("line")
+    table.add_column("share", justify="right")
+    table.add_column("ms/step", justify="right")
+    table.add_column("recoverable")
+    for line, pct in zip(e.budget, percentages([x.share for x in e.budget]), strict=False):
+        table.add_row(line.name, f"{pct:.1f}%", _num(line.ms_per_step), "yes" if line.recoverable else "")
+    mfu = "n/a" if e.mfu is None else f"{100 * e.mfu:.1f}%"
+    return Group(
+        _section("Efficiency budget"),
+        table,
+        Text(f"recoverable {100 * e.recoverable_share:.1f}% of wall; MFU {mfu}"),
+    )
+
+
+def render_findings(findings: Sequence[Finding]) -> RenderableType:
+    """Findings, most severe first: severity, title and code, then the numbers and what to do."""
+    if not findings:
+        return Text("No findings.")
+    parts: list[RenderableType] = []
+    for f in findings:
+        head = Text()
+        head.append(f"[{f.severity.name}] ", style=_SEVERITY_STYLE.get(f.severity, ""))
+        head.append(f.title, style="bold")
+        head.append(f"  ({f.code})", style="dim")
+        parts.append(head)
+        parts.append(Text(f"  {f.detail}"))
+        parts.append(Text(f"  → {f.recommendation}", style="italic"))
+    return Group(*parts)
+
+
+def render_summary(summary: Summary) -> Group:
+    parts: list[RenderableType] = [
+        render_run(summary),
+        render_timing(summary),
+        render_convergence(summary),
+        render_distributed(summary),
+        render_efficiency(summary),
+        _section("Findings"),
+        render_findings(summary.findings),
+    ]
+    if summary.scope_errors:
+        parts.append(_section("Scope errors"))
+        parts.extend(Text(e) for e in summary.scope_errors)
+    return Group(*parts)
