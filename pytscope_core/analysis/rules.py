@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+import warnings
 from collections.abc import Callable, Iterable
 
 import numpy as np
@@ -263,8 +264,8 @@ def replica_drift(a: RunAnalysis) -> list[Finding]:
     for i, c in enumerate(checks):  # one row per gather, not per step
         sums[i, : len(c.checksums)] = c.checksums
     steps = np.array([c.step for c in checks])
-    with np.errstate(all="ignore"), np.testing.suppress_warnings() as sup:
-        sup.filter(RuntimeWarning)
+    with np.errstate(all="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # an all-NaN check row is simply skipped
         majority = np.nanmedian(sums, axis=1, keepdims=True)
         scale = np.maximum(np.nanmax(np.abs(sums), axis=1, keepdims=True), 1e-30)
         drift = np.isfinite(sums) & (np.abs(sums - majority) > REPLICA_REL_TOL * scale)

@@ -1,0 +1,312 @@
+"""Golden synthetic runs with known answers for the analysis and the rules."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from pytscope_core.analysis import analyze, diagnose
+from pytscope_core.analysis.convergence import loss_trend
+from pytscope_core.arrays import RunArrays
+from pytscope_core.context import CountsCheck, ReplicaCheck, RunContext, Segment
+from pytscope_core.findings import Severity
+from pytscope_core.records import COL, NCOLS
+from pytscope_core.summary import summarize
+
+TRANSFER_MS = 0.5
+
+
+def make_run(
+    steps: int = 500,
+    ranks: int = 4,
+    *,
+    seed: int = 0,
+    noise: float = 0.04,
+    slow: dict[int, float] | None = None,
+    data_ms: float = 0.2,
+    loss: np.ndarray | None = None,
+) -> RunArrays:
+    """DDP-like steps: every rank's wall is the slowest rank's local work plus the transfer."""
+    rng = np.random.default_rng(seed)
+    compute = 10.0 * (1 + noise * rng.standard_normal((steps, ranks)))
+    for rank, factor in (slow or {}).items():
+        compute[:, rank] *= 1 + factor
+    ph = np.zeros((steps, ranks, 6))
+    ph[:, :, 0] = data_ms
+    ph[:, :, 1] = 0.4 * compute
+    ph[:, :, 2] = 0.6 * compute
+    ph[:, :, 4] = 0.5
+    ph[:, :, 5] = 0.3
+    local = ph.sum(axis=2)
+    ph[:, :, 3] = local.max(axis=1, keepdims=True) - local + TRANSFER_MS
+    if loss is None:
+        loss = 2.0 * np.exp(-np.arange(steps) / 150) + 0.5 + 0.02 * rng.standard_normal(steps)
+    return RunArrays.from_arrays(ph, loss=loss)
+
+
+def codes(findings, at_least=Severity.LOW):
+    return {f.code for f in findings if f.severity >= at_least}
+
+
+def test_ten_percent_straggler_is_the_only_one_within_200_steps():
+    for seed in range(5):
+        arrays = make_run(200, 4, seed=seed, slow={3: 0.10})
+        a = analyze(arrays, RunContext(world_size=4))
+        assert a.distributed.stragglers == (3,)
+        found = [
+            f for f in diagnose(arrays, RunContext(world_size=4), strict=True) if f.code == "DIST.STRAGGLER"
+        ]
+        assert len(found) == 1 and found[0].ranks == (3,)
+        assert found[0].severity >= Severity.MED
+        assert a.distributed.rank(3).critical_share > 0.8
+
+
+def test_straggler_wait_is_not_billed_as_communication():
+    arrays = make_run(400, 4, slow={3: 0.10})
+    healthy = analyze(make_run(400, 4), RunContext(world_size=4))
+    a = analyze(arrays, RunContext(world_size=4))
+    assert a.distributed.transfer_ms == pytest.approx(TRANSFER_MS, abs=0.01)
+    assert a.distributed.transfer_ms == pytest.approx(healthy.distributed.transfer_ms, abs=0.01)
+    assert "DIST.COMM_BOUND" not in codes(diagnose(arrays, RunContext(world_size=4), strict=True))
+    waits = {r.rank: r.sync_wait_ms for r in a.distributed.per_rank}
+    assert waits[3] < 0.05 and all(waits[r] > 0.5 for r in (0, 1, 2))
+    budget = {x.name: x.share for x in a.efficiency.budget}
+    assert budget["sync wait (imbalance)"] > budget["exposed transfer"]
+
+
+@pytest.mark.parametrize("ranks", [4, 64])
+def test_healthy_runs_have_no_high_or_med_finding(ranks):
+    for seed in range(50):
+        arrays = make_run(300, ranks, seed=seed, noise=0.05)
+        found = diagnose(arrays, RunContext(world_size=ranks), strict=True)
+        assert not codes(found, Severity.MED), (seed, [f.detail for f in found])
+        assert analyze(arrays, RunContext(world_size=ranks)).distributed.stragglers == ()
+
+
+def test_two_rank_alternating_difference_is_not_a_straggler():
+    # MEASUREMENTS.md 3: healthy 2-rank runs differ by up to ~7% in median with the faster rank alternating.
+    rng = np.random.default_rng(1)
+    steps = 600
+    arrays = make_run(steps, 2, noise=0.0)
+    ahead = rng.random(steps) < 0.6
+    ph = np.array(arrays.phases)
+    ph[:, 1, 2] += np.where(ahead, 0.9, -0.2)  # ~+7% in 60% of steps, a little faster in the rest
+    local = ph.sum(axis=2) - ph[:, :, 3]
+    ph[:, :, 3] = local.max(axis=1, keepdims=True) - local + TRANSFER_MS
+    found = diagnose(RunArrays.from_arrays(ph), RunContext(world_size=2), strict=True)
+    assert "DIST.STRAGGLER" not in codes(found)
+
+
+def test_load_imbalance_when_several_ranks_are_slow():
+    arrays = make_run(400, 8, slow={2: 0.12, 5: 0.12})
+    found = diagnose(arrays, RunContext(world_size=8), strict=True)
+    imb = [f for f in found if f.code == "DIST.LOAD_IMBALANCE"]
+    assert imb and imb[0].ranks == (2, 5)
+    assert "DIST.STRAGGLER" not in codes(found)
+
+
+def test_flat_noisy_loss_is_rarely_called_worsening():
+    rng = np.random.default_rng(2)
+    worse = sum(loss_trend(2.0 + 0.3 * rng.standard_normal(500)).trend == "worsening" for _ in range(1000))
+    assert worse < 10
+
+
+def test_decreasing_loss_is_improving_without_finding():
+    arrays = make_run(500, 4)
+    a = analyze(arrays, RunContext(world_size=4))
+    assert a.convergence.trend.trend == "improving"
+    assert not {"CONVERGENCE.NO_PROGRESS", "CONVERGENCE.SPIKE"} & codes(
+        diagnose(arrays, RunContext(world_size=4))
+    )
+
+
+def test_flat_loss_gives_no_progress_and_short_runs_unknown():
+    rng = np.random.default_rng(3)
+    flat = make_run(500, 2, loss=1.0 + 0.01 * rng.standard_normal(500))
+    assert "CONVERGENCE.NO_PROGRESS" in codes(diagnose(flat, RunContext(world_size=2), strict=True))
+    short = make_run(60, 2, loss=np.ones(60))
+    assert analyze(short, RunContext(world_size=2)).convergence.trend.trend == "unknown"
+    assert "CONVERGENCE.NO_PROGRESS" not in codes(diagnose(short, RunContext(world_size=2)))
+
+
+def test_infinite_loss_is_nonfinite_and_breaks_nothing():
+    loss = np.linspace(3, 1, 300)
+    loss[120] = np.inf
+    arrays = make_run(300, 4, loss=loss)
+    found = [
+        f
+        for f in diagnose(arrays, RunContext(world_size=4), strict=True)
+        if f.code == "CONVERGENCE.NONFINITE"
+    ]
+    assert found and found[0].steps == (121,) and found[0].severity == Severity.HIGH
+    summary = summarize(arrays, RunContext(world_size=4))
+    assert summary.convergence.nonfinite_step == 121
+    json.dumps(summary.to_dict(), allow_nan=False)
+
+
+def test_nan_after_dense_logging_is_nonfinite_but_sparse_logging_is_not():
+    dense = np.linspace(3, 1, 200)
+    dense[150:] = np.nan
+    assert analyze(make_run(200, 2, loss=dense), RunContext(world_size=2)).convergence.nonfinite_step == 151
+    sparse = np.full(200, np.nan)
+    sparse[::10] = np.linspace(3, 1, 20)
+    assert analyze(make_run(200, 2, loss=sparse), RunContext(world_size=2)).convergence.nonfinite_step is None
+
+
+def test_input_bound_needs_share_and_absolute_floor():
+    slow_input = make_run(300, 4, data_ms=5.0)  # ~30% of a ~16.5 ms step
+    found = [
+        f for f in diagnose(slow_input, RunContext(world_size=4), strict=True) if f.code == "DATA.INPUT_BOUND"
+    ]
+    assert found and found[0].severity >= Severity.MED and found[0].ranks == ()
+
+    ph = np.zeros((300, 2, 6))
+    ph[:, :, 0], ph[:, :, 1], ph[:, :, 2] = 0.3, 0.3, 0.4  # 0.3 ms fetch on a 1 ms step
+    tiny = diagnose(RunArrays.from_arrays(ph), RunContext(world_size=2), strict=True)
+    assert not codes(tiny, Severity.MED)
+
+
+def test_input_bound_names_the_ranks_when_only_some():
+    arrays = make_run(300, 4)
+    ph = np.array(arrays.phases)
+    ph[:, 1, 0] = 6.0
+    local = ph.sum(axis=2) - ph[:, :, 3]
+    ph[:, :, 3] = local.max(axis=1, keepdims=True) - local + TRANSFER_MS
+    found = [
+        f
+        for f in diagnose(RunArrays.from_arrays(ph), RunContext(world_size=4))
+        if f.code == "DATA.INPUT_BOUND"
+    ]
+    assert found and found[0].ranks == (1,)
+
+
+def test_spikes_found_at_their_steps():
+    rng = np.random.default_rng(4)
+    loss = 1.0 + 0.01 * rng.standard_normal(600)
+    loss[[200, 401]] = 3.0
+    a = analyze(make_run(600, 2, loss=loss), RunContext(world_size=2))
+    assert [s.step for s in a.convergence.spikes] == [201, 402]
+
+
+def test_desync_from_counts_and_from_grad_syncs():
+    ctx = RunContext(
+        world_size=4,
+        counts_checks=(
+            CountsCheck(1, (50, 50, 50, 50), (50, 50, 50, 50), (50, 50, 50, 50)),
+            CountsCheck(2, (100, 100, 100, 100), (100, 100, 99, 100), (100, 100, 100, 100)),
+        ),
+    )
+    base = make_run(100, 4)
+    syncs = np.ones((100, 4))
+    syncs[70, 1] = 0
+    arrays = RunArrays.from_arrays(
+        np.asarray(base.phases), loss=np.asarray(base.loss[:, 0]), grad_syncs=syncs
+    )
+    found = [f for f in diagnose(arrays, ctx, strict=True) if f.code == "DIST.DESYNC"]
+    assert {f.ranks for f in found} == {(2,), (1,)}
+    from_arrays = next(f for f in found if f.ranks == (1,))
+    assert from_arrays.steps == (71,) and from_arrays.severity == Severity.HIGH
+
+
+def test_replica_drift_names_ranks_and_first_step():
+    ctx = RunContext(
+        world_size=3,
+        replica_checks=(
+            ReplicaCheck(50, (1.5, 1.5, 1.5)),
+            ReplicaCheck(100, (2.0, 2.0, 2.1)),
+            ReplicaCheck(150, (2.5, 2.5 * (1 + 1e-9), 2.7)),
+        ),
+    )
+    found = [f for f in diagnose(make_run(150, 3), ctx, strict=True) if f.code == "DIST.REPLICA_DRIFT"]
+    assert found and found[0].ranks == (2,) and found[0].steps[0] == 100
+
+
+def test_hang_reports_are_reemitted():
+    report = {
+        "code": "DIST.HANG",
+        "severity": "HIGH",
+        "title": "Rank 1 never reached the all-reduce",
+        "detail": "rank 1 in forward for 300 s",
+        "recommendation": "see stacks",
+        "ranks": [1],
+        "steps": [40],
+    }
+    found = diagnose(make_run(50, 2), RunContext(world_size=2, hang_reports=(report,)), strict=True)
+    assert found[0].code == "DIST.HANG" and found[0].ranks == (1,)
+
+
+def _rows(segment: int, steps: range, t0: float, ranks: int = 2) -> np.ndarray:
+    rows = np.zeros((len(steps) * ranks, NCOLS))
+    for i, step in enumerate(steps):
+        for r in range(ranks):
+            row = rows[i * ranks + r]
+            row[COL["rank"]], row[COL["segment"]], row[COL["step"]] = r, segment, step
+            row[COL["start_s"]] = t0 + i * 0.01
+            row[COL["wall_ms"]], row[COL["forward_ms"]], row[COL["backward_ms"]] = 10.0, 4.0, 6.0
+            row[COL["loss"]], row[COL["grad_syncs"]], row[COL["micro_batches"]] = 1.0, 1, 1
+    return rows
+
+
+def test_goodput_across_two_segments_with_replayed_rows():
+    first = _rows(0, range(1, 101), 1000.0)  # ends at 1001.0 s
+    second = _rows(1, range(81, 201), 1011.0)  # resumed 10 s later from step 80: 81-100 replayed
+    arrays = RunArrays.from_rows(np.vstack([first, second]), warmup=0)
+    ctx = RunContext(
+        world_size=2,
+        segments=(Segment(0, 1000.0, 0, 2), Segment(1, 1011.0, 80, 2)),
+    )
+    s = summarize(arrays, ctx)
+    g = s.efficiency.goodput
+    assert s.run.restarts == 1 and len(g.segments) == 2
+    assert g.downtime_s == pytest.approx(10.0, abs=1e-6)
+    assert g.replayed_s == pytest.approx(0.2, abs=1e-6)
+    assert g.productive_s == pytest.approx(2.0, abs=1e-6)
+    assert g.elapsed_s == pytest.approx(12.2, abs=1e-6)
+    assert g.goodput == pytest.approx(2.0 / 12.2, rel=1e-6)
+    d = s.to_dict()
+    assert d["run"]["restarts"] == 1 and d["run"]["goodput"]["downtime_s"] == pytest.approx(10.0)
+
+
+@pytest.mark.parametrize("steps,ranks", [(0, 2), (1, 2), (1, 1), (50, 1)])
+def test_tiny_runs_summarize(steps, ranks):
+    ph = np.ones((steps, ranks, 6))
+    arrays = RunArrays.from_arrays(ph, warmup=5)
+    s = summarize(arrays, RunContext(world_size=ranks))
+    d = s.to_dict()
+    json.dumps(d, allow_nan=False)
+    assert d["run"]["steps"] == steps and d["convergence"]["trend"] == "unknown"
+
+
+def test_all_nan_loss_and_memory_summarize():
+    arrays = make_run(200, 2, loss=np.full(200, np.nan))
+    d = summarize(arrays, RunContext(world_size=2)).to_dict()
+    assert d["convergence"]["first_loss"] is None and d["convergence"]["nonfinite_step"] is None
+    json.dumps(d, allow_nan=False)
+
+
+def test_summary_keys_and_phase_shares_sum_to_one():
+    d = summarize(make_run(300, 4, slow={1: 0.1}), RunContext(world_size=4)).to_dict()
+    assert sum(p["share"] for p in d["timing"]["phases"].values()) == pytest.approx(1.0)
+    assert d["distributed"]["stragglers"] == [1] and d["distributed"]["split_is_estimate"] is True
+    rank = d["distributed"]["per_rank"][1]
+    assert {"rank", "local_ms", "comm_ms", "sync_wait_ms", "critical_share", "straggler"} <= set(rank)
+    assert sum(x["share"] for x in d["efficiency"]["budget"]) == pytest.approx(1.0)
+    assert d["efficiency"]["mfu"] is None and d["scope"]["errors"] == []
+    assert {"code", "severity", "ranks", "steps"} <= set(d["findings"][0])
+
+
+def test_memory_growth_and_pressure():
+    mem = np.linspace(4e9, 6e9, 400)
+    ctx = RunContext(world_size=2, mem_limit_bytes=6.1e9)
+    arrays = RunArrays.from_arrays(np.asarray(make_run(400, 2).phases), mem_bytes=mem)
+    found = codes(diagnose(arrays, ctx, strict=True))
+    assert {"MEMORY.GROWTH", "MEMORY.PRESSURE"} <= found
+
+
+def test_low_mfu_only_when_known():
+    arrays = make_run(200, 2)
+    assert "EFFICIENCY.LOW_MFU" not in codes(diagnose(arrays, RunContext(world_size=2)))
+    ctx = RunContext(world_size=2, flops_per_step=1e9, peak_flops=1e15)
+    assert "EFFICIENCY.LOW_MFU" in codes(diagnose(arrays, ctx, strict=True))
