@@ -76,8 +76,19 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if args.ranks < 1:
         raise UsageError("pytscope demo: --ranks must be at least 1")
     console = _console()
-    console.print(f"[bold]pytscope demo[/]: {args.ranks} CPU processes (gloo, DDP), scenario [bold]{args.scenario}[/]")
+    console.print(
+        f"[bold]pytscope demo[/]: {args.ranks} CPU processes (gloo, DDP), scenario [bold]{args.scenario}[/]"
+    )
     path = run_demo(args.scenario, ranks=args.ranks, steps=args.steps, run_dir=args.run_dir)
+    if args.scenario == "hang":  # the ranks were ended before they could print the summary
+        from .render import render_summary
+        from .rundir import load_run
+        from .summary import summarize
+
+        run = load_run(path)
+        console.print(
+            render_summary(summarize(run.arrays, run.context, extra_findings=tuple(run.extra_findings)))
+        )
     console.print(f"\nre-read it any time: [bold]pytscope report {path}[/]")
     return EXIT_OK
 
@@ -94,7 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("report", help="summarise a run directory")
     p.add_argument("run_dir")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
-    p.add_argument("--fail-on", type=_severity, metavar="SEVERITY", help="exit 1 if a finding is at least this severe")
+    p.add_argument(
+        "--fail-on", type=_severity, metavar="SEVERITY", help="exit 1 if a finding is at least this severe"
+    )
     p.add_argument("--plots", metavar="DIR", help="also write PNG plots into DIR")
 
     p = sub.add_parser("demo", help="run a small multi-process CPU job with a fault injected, then report")

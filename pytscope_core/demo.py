@@ -47,9 +47,20 @@ def run_demo(
         raise ValueError(f"unknown scenario {scenario!r} (choose from {', '.join(SCENARIOS)})")
     if ranks < 1:
         raise ValueError("--ranks must be at least 1")
-    path = Path(run_dir) if run_dir is not None else Path("runs") / f"demo-{scenario}-{time.strftime('%Y%m%d-%H%M%S')}"
+    path = (
+        Path(run_dir)
+        if run_dir is not None
+        else Path("runs") / f"demo-{scenario}-{time.strftime('%Y%m%d-%H%M%S')}"
+    )
     options = dict(scenario=scenario, steps=steps, run_dir=str(path), interval=interval, console=console)
-    mp.start_processes(_worker, args=(ranks, free_port(), options), nprocs=ranks, start_method="spawn", join=True)
+    try:
+        mp.start_processes(
+            _worker, args=(ranks, free_port(), options), nprocs=ranks, start_method="spawn", join=True
+        )
+    except mp.ProcessExitedException as exc:
+        if scenario != "hang":
+            raise
+        print(f"the job ended with exit code {exc.exit_code} after the hang was detected (on_hang='abort')")
     return path
 
 
@@ -100,7 +111,7 @@ def _job(rank: int, world: int, steps: int, input_spin_ms: float) -> tuple[Any, 
     from torch.utils.data import DataLoader, TensorDataset
     from torch.utils.data.distributed import DistributedSampler
 
-    batch = 32
+    batch = 256
     gen = torch.Generator().manual_seed(0)
     teacher = torch.randn(64, 10, generator=gen)
     x = torch.randn(steps * batch * world, 64, generator=gen)
@@ -112,10 +123,16 @@ def _job(rank: int, world: int, steps: int, input_spin_ms: float) -> tuple[Any, 
             spin(input_spin_ms)
         return torch.stack([i[0] for i in items]), torch.stack([i[1] for i in items])
 
-    sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=0)
+    sampler: DistributedSampler[Any] = DistributedSampler(
+        dataset, num_replicas=world, rank=rank, shuffle=True, seed=0
+    )
     loader = DataLoader(dataset, batch_size=batch, sampler=sampler, collate_fn=collate)
     torch.manual_seed(0)
     model = torch.nn.Sequential(
-        torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10)
+        torch.nn.Linear(64, 256),
+        torch.nn.ReLU(),
+        torch.nn.Linear(256, 256),
+        torch.nn.ReLU(),
+        torch.nn.Linear(256, 10),
     )
     return model, loader

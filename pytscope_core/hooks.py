@@ -43,7 +43,13 @@ def first_grad_tensor(output: Any, _depth: int = 0) -> Any:
     if getattr(output, "requires_grad", False) and getattr(output, "grad_fn", None) is not None:
         return output
     if _depth < 3:
-        values = output.values() if isinstance(output, dict) else output if isinstance(output, (list, tuple)) else ()
+        values = (
+            output.values()
+            if isinstance(output, dict)
+            else output
+            if isinstance(output, (list, tuple))
+            else ()
+        )
         for value in values:
             t = first_grad_tensor(value, _depth + 1)
             if t is not None:
@@ -134,7 +140,9 @@ class TorchHooks:
             return
         try:
             # DDP decides in forward whether this backward all-reduces (no_sync() turns it off).
-            self.forward_done(output, grad_sync=self.is_ddp and bool(getattr(module, "require_backward_grad_sync", True)))
+            self.forward_done(
+                output, grad_sync=self.is_ddp and bool(getattr(module, "require_backward_grad_sync", True))
+            )
         except Exception as exc:
             self._on_error(exc)
 
@@ -263,7 +271,7 @@ def _watched_class(base: type) -> type:
     if cls is None:
 
         def __iter__(self: Any) -> Any:
-            it = base.__iter__(self)
+            it = base.__iter__(self)  # type: ignore[attr-defined]
             hooks = self.__dict__.get("_pytscope_hooks")
             return _WatchedIterator(it, hooks) if hooks is not None and hooks.active else it
 
@@ -272,7 +280,11 @@ def _watched_class(base: type) -> type:
             state = {k: v for k, v in self.__dict__.items() if k != "_pytscope_hooks"}
             return (_rebuild, (base, state))
 
-        cls = type(base.__name__, (base,), {"__iter__": __iter__, "__reduce_ex__": __reduce_ex__, "_pytscope_watched": True})
+        cls = type(
+            base.__name__,
+            (base,),
+            {"__iter__": __iter__, "__reduce_ex__": __reduce_ex__, "_pytscope_watched": True},
+        )
         cls.__qualname__ = base.__qualname__
         cls.__module__ = base.__module__
         _WATCHED[base] = cls
@@ -280,6 +292,6 @@ def _watched_class(base: type) -> type:
 
 
 def _rebuild(base: type, state: dict[str, Any]) -> Any:
-    obj = base.__new__(base)
+    obj: Any = object.__new__(base)
     obj.__dict__.update(state)
     return obj

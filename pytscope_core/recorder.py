@@ -126,7 +126,11 @@ class StepRecorder:
         """(optimizer steps, gradient syncs, micro-batches) done so far, counting the step that has just
         stepped but not yet closed (a checkpoint saved right after `optimizer.step()` includes it)."""
         if self._stepped:
-            return (self.steps_done + 1, self.grad_syncs + self._step_syncs, self.micro_batches + self._step_micro)
+            return (
+                self.steps_done + 1,
+                self.grad_syncs + self._step_syncs,
+                self.micro_batches + self._step_micro,
+            )
         return (self.steps_done, self.grad_syncs, self.micro_batches)
 
     def _open_step(self) -> None:
@@ -218,6 +222,6 @@ def _losses_to_floats(losses: list[Any]) -> list[float]:
         import torch
 
         values = torch.stack([t.detach().float().reshape(()) for t in tensors]).cpu().tolist()
-        for i, v in zip(where, values):
+        for i, v in zip(where, values, strict=False):
             out[i] = v
     return out

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -58,10 +59,14 @@ class RunWriter:
         self.path.mkdir(parents=True, exist_ok=True)
         meta_path = self.path / "meta.json"
         if not meta_path.exists():  # a resumed run keeps its original metadata
-            _atomic_write(meta_path, json.dumps(_jsonable({"format": FORMAT, "columns": list(COLUMNS), **meta}), indent=1))
+            _atomic_write(
+                meta_path,
+                json.dumps(_jsonable({"format": FORMAT, "columns": list(COLUMNS), **meta}), indent=1),
+            )
         self._steps = open(self.path / "steps.f64", "ab")
         self._events = open(self.path / "events.jsonl", "a")
         self._scalars = open(self.path / "scalars.jsonl", "a")
+        self._lock = threading.Lock()  # the hang watchdog writes from its own thread
         self._trim_torn_row()
 
     def _trim_torn_row(self) -> None:
@@ -74,12 +79,15 @@ class RunWriter:
 
     def append_rows(self, rows: np.ndarray) -> None:
         if rows.size:
-            self._steps.write(np.ascontiguousarray(rows, dtype="<f8").tobytes())
-            self._steps.flush()
+            with self._lock:
+                self._steps.write(np.ascontiguousarray(rows, dtype="<f8").tobytes())
+                self._steps.flush()
 
     def event(self, kind: str, **fields: Any) -> None:
-        self._events.write(json.dumps(_jsonable({"type": kind, **fields})) + "\n")
-        self._events.flush()
+        line = json.dumps(_jsonable({"type": kind, **fields})) + "\n"
+        with self._lock:
+            self._events.write(line)
+            self._events.flush()
 
     def scalars(self, lines: list[dict[str, Any]]) -> None:
         if lines:
@@ -177,7 +185,8 @@ def load_run(path: str | os.PathLike[str], warmup: int | None = None) -> Run:
     w = int(meta.get("warmup", 5)) if warmup is None else warmup
     arrays = RunArrays.from_rows(rows, warmup=w)
     context = _context(meta, events, arrays, w)
-    live, extra = [], []
+    live: list[Finding] = []
+    extra: list[Finding] = []
     for e in events:
         if e.get("type") == "finding":
             try:
@@ -196,7 +205,9 @@ def _num(value: Any, default: float | None = None) -> float | None:
         return default
 
 
-def _context(meta: dict[str, Any], events: list[dict[str, Any]], arrays: RunArrays, warmup: int) -> RunContext:
+def _context(
+    meta: dict[str, Any], events: list[dict[str, Any]], arrays: RunArrays, warmup: int
+) -> RunContext:
     segments, counts, replicas, hangs, errors = [], [], [], [], []
     world = int(meta.get("world_size") or arrays.world_size or 1)
     for e in events:
@@ -204,14 +215,25 @@ def _context(meta: dict[str, Any], events: list[dict[str, Any]], arrays: RunArra
         try:
             if kind == "segment":
                 segments.append(
-                    Segment(int(e["index"]), float(e["started_s"]), int(e.get("resumed_from_step", 0)), int(e.get("world_size", world)))
+                    Segment(
+                        int(e["index"]),
+                        float(e["started_s"]),
+                        int(e.get("resumed_from_step", 0)),
+                        int(e.get("world_size", world)),
+                    )
                 )
             elif kind == "counts_check":
                 counts.append(
-                    CountsCheck(int(e["gather"]), tuple(e["steps"]), tuple(e["grad_syncs"]), tuple(e["micro_batches"]))
+                    CountsCheck(
+                        int(e["gather"]), tuple(e["steps"]), tuple(e["grad_syncs"]), tuple(e["micro_batches"])
+                    )
                 )
             elif kind == "replica_check":
-                replicas.append(ReplicaCheck(int(e["step"]), tuple(float(c) if c is not None else math.nan for c in e["checksums"])))
+                replicas.append(
+                    ReplicaCheck(
+                        int(e["step"]), tuple(float(c) if c is not None else math.nan for c in e["checksums"])
+                    )
+                )
             elif kind == "hang":
                 hangs.append(dict(e["finding"]))
             elif kind == "scope_error":

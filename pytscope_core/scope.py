@@ -37,7 +37,7 @@ import numpy as np
 
 from .arrays import RunArrays
 from .clocks import Clock, CudaEventClock
-from .context import CountsCheck, ReplicaCheck, RunContext, Segment
+from .context import CountsCheck, ReplicaCheck, RunContext
 from .findings import Finding, Severity
 from .hooks import TorchHooks
 from .recorder import StepRecorder
@@ -45,6 +45,7 @@ from .timeline import Mark
 
 STORE_PREFIX = "pytscope"
 LIVE_STEPS = 1000  # steps kept in memory on rank 0 for live diagnosis: bounds its cost on long runs
+LIVE_BUDGET = 0.005  # live diagnosis may take at most this share of wall time; other gathers only store rows
 FINISH_WAIT_S = 30.0  # how long finish() waits for every rank to arrive before reporting without them
 
 
@@ -66,6 +67,12 @@ class Scope:
     ) -> None:
         if interval < 1:
             raise ValueError("interval must be >= 1")
+        if not (
+            hang_timeout is None
+            or hang_timeout == "auto"
+            or (isinstance(hang_timeout, (int, float)) and hang_timeout > 0)
+        ):
+            raise ValueError('hang_timeout must be a number of seconds > 0, "auto" or None')
         if on_hang not in ("abort", "report"):
             raise ValueError('on_hang must be "abort" or "report"')
         self.run_dir: Path | None = Path(run_dir) if run_dir is not None else None
@@ -110,6 +117,9 @@ class Scope:
         self._epoch_offset = time.time() - time.perf_counter()
         self._console: Any = None
         self._atexit_registered = False
+        self._watchdog: Any = None
+        self._live_cost_s = 0.0
+        self._live_at = time.perf_counter()
 
     # -- user API -------------------------------------------------------------------------------------
     def watch(
@@ -275,6 +285,7 @@ class Scope:
         if self.rank == 0:
             from rich.console import Console
 
+            from . import analysis, render, summary  # noqa: F401  (imported now, not in the middle of a step)
             from .rundir import RunWriter
 
             self._console = Console(stderr=False) if self.console else None
@@ -282,10 +293,51 @@ class Scope:
             self._writer.event(
                 "segment",
                 index=self.segment,
-                started_s=(self.recorder._host_start / 1e9 + self._epoch_offset) if self.recorder._host_start else time.time(),
+                started_s=(self.recorder._host_start / 1e9 + self._epoch_offset)
+                if self.recorder._host_start
+                else time.time(),
                 resumed_from_step=self.resumed_from_step,
                 world_size=self.world_size,
             )
+        if self.hang_timeout is not None:
+            self._start_watchdog()
+
+    def _start_watchdog(self) -> None:
+        from .watchdog import Watchdog
+
+        assert self.run_dir is not None
+        self._watchdog = Watchdog(
+            self.recorder,
+            _default_store() if self.world_size > 1 else None,
+            self.rank,
+            self.world_size,
+            self.run_dir,
+            self._hang_timeout_s,
+            self.on_hang,
+            self._report_hang,
+            prefix=f"{STORE_PREFIX}/{self.segment}",
+        )
+        self._watchdog.start()
+
+    def _hang_timeout_s(self) -> float | None:
+        """The fixed timeout, or "auto": after warm-up, the larger of 2 minutes and 20x the slowest step seen."""
+        from .watchdog import AUTO_MIN_S, AUTO_STEP_FACTOR
+
+        if self.hang_timeout != "auto":
+            return float(self.hang_timeout)  # type: ignore[arg-type]
+        if self.recorder.steps_done - self.resumed_from_step <= self.warmup:
+            return None
+        return max(AUTO_MIN_S, AUTO_STEP_FACTOR * self._watchdog.slowest_step_s)
+
+    def _report_hang(self, finding: Finding) -> None:
+        """Called from rank 0's watchdog thread while the main thread is blocked."""
+        if self._writer is not None:
+            self._writer.event("hang", step=self.recorder.steps_done, finding=finding.to_dict())
+        if self._console is not None:
+            from .render import render_findings
+
+            self._console.print("[bold red]pytscope: hang detected[/]")
+            self._console.print(render_findings([finding]))
 
     def _meta(self) -> dict[str, Any]:
         import torch
@@ -341,7 +393,13 @@ class Scope:
         counters = (float(rec.steps_done), float(rec.grad_syncs), float(rec.micro_batches), self._checksum())
         if self._gatherer is not None:
             self._check_peers_enabled()
-            ex = self._gatherer.exchange(counters, rows)
+            if self._watchdog is not None:
+                self._watchdog.status = "gather"
+            try:
+                ex = self._gatherer.exchange(counters, rows)
+            finally:
+                if self._watchdog is not None:
+                    self._watchdog.status = "finished" if final else ""
             headers, rows = ex.headers, ex.rows
         else:
             headers = np.array([[*counters[:3], rows.shape[0], counters[3]]])
@@ -371,7 +429,11 @@ class Scope:
             self._counts_checks.append(check)
             w.event("counts_check", gather=check.gather, steps=steps, grad_syncs=syncs, micro_batches=micro)
         sums = headers[:, 4]
-        if np.isfinite(sums).all() and len(sums) > 1 and np.ptp(sums) > 1e-9 * max(1.0, float(np.abs(sums).max())):
+        if (
+            np.isfinite(sums).all()
+            and len(sums) > 1
+            and np.ptp(sums) > 1e-9 * max(1.0, float(np.abs(sums).max()))
+        ):
             check_r = ReplicaCheck(int(max(steps)), tuple(float(s) for s in sums))
             self._replica_checks.append(check_r)
             w.event("replica_check", step=check_r.step, checksums=list(check_r.checksums))
@@ -379,7 +441,10 @@ class Scope:
             return
         self._recent.append(rows)
         self._recent_steps += rows.shape[0] // max(1, self.world_size)
-        while len(self._recent) > 1 and self._recent_steps - self._recent[0].shape[0] // max(1, self.world_size) >= LIVE_STEPS:
+        while (
+            len(self._recent) > 1
+            and self._recent_steps - self._recent[0].shape[0] // max(1, self.world_size) >= LIVE_STEPS
+        ):
             self._recent_steps -= self._recent.popleft().shape[0] // max(1, self.world_size)
         self._diagnose_live()
 
@@ -396,10 +461,24 @@ class Scope:
         )
 
     def _diagnose_live(self) -> None:
+        # Rank 0 is on every rank's critical path while it diagnoses (they wait for it in the next
+        # all-reduce), so diagnosis runs only as often as keeps it under LIVE_BUDGET of wall time.
+        now = time.perf_counter()
+        if self._live_cost_s > LIVE_BUDGET * (now - self._live_at):
+            return
+        self._live_at = now
+        try:
+            self._diagnose_recent()
+        finally:
+            self._live_cost_s = time.perf_counter() - now
+
+    def _diagnose_recent(self) -> None:
         from .analysis import diagnose
         from .summary import summarize
 
-        arrays = RunArrays.from_rows(np.concatenate(list(self._recent)), warmup=0 if self.segment else self.warmup)
+        arrays = RunArrays.from_rows(
+            np.concatenate(list(self._recent)), warmup=0 if self.segment else self.warmup
+        )
         if arrays.n_steps == 0:
             return
         ctx = self._context()
@@ -415,7 +494,9 @@ class Scope:
         for f in findings:
             self._reported[f.key] = f.severity
             if self._writer is not None:
-                self._writer.event("finding", step=self.recorder.steps_done, source=source, finding=f.to_dict())
+                self._writer.event(
+                    "finding", step=self.recorder.steps_done, source=source, finding=f.to_dict()
+                )
         if self._console is not None:
             from .render import render_findings
 
@@ -431,6 +512,8 @@ class Scope:
         if self._finished:
             return self.summary
         self._finished = True
+        if self._watchdog is not None:
+            self._watchdog.status = "finished"
         try:
             self.recorder.close()
             if self.enabled and self.recorder.window and not self._started:
@@ -442,6 +525,8 @@ class Scope:
         except Exception as exc:
             self._fail(exc)
         finally:
+            if self._watchdog is not None:
+                self._watchdog.stop()
             self.hooks.remove()
             if self._writer is not None:
                 self._writer.close()
@@ -478,7 +563,9 @@ class Scope:
         key = f"{STORE_PREFIX}/finish/{self.segment}"
         store.set(f"{key}/{self.rank}", "1")
         try:
-            store.wait([f"{key}/{r}" for r in range(self.world_size)], datetime.timedelta(seconds=FINISH_WAIT_S))
+            store.wait(
+                [f"{key}/{r}" for r in range(self.world_size)], datetime.timedelta(seconds=FINISH_WAIT_S)
+            )
             return True
         except Exception:
             missing = [r for r in range(self.world_size) if not store.check([f"{key}/{r}"])]
@@ -548,7 +635,12 @@ def _quantiles(values: list[float]) -> dict[str, float]:
     if not values:
         return {}
     a = np.asarray(values)
-    return {"median": float(np.median(a)), "p95": float(np.percentile(a, 95)), "total": float(a.sum()), "n": len(values)}
+    return {
+        "median": float(np.median(a)),
+        "p95": float(np.percentile(a, 95)),
+        "total": float(a.sum()),
+        "n": len(values),
+    }
 
 
 def _default_run_dir() -> Path:
@@ -595,4 +687,3 @@ def _host_memory() -> float | None:
 
 def _warn(rank: int, message: str) -> None:
     print(f"pytscope[rank {rank}]: {message}", file=sys.stderr, flush=True)
-

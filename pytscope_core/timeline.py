@@ -60,7 +60,7 @@ def attribute(marks: Sequence[int], times_ms: Sequence[float]) -> tuple[list[flo
         return acc[:-1], 0.0, 0.0
     stack: list[int] = []
     prev = times_ms[0]
-    for mark, t in zip(marks[1:], times_ms[1:]):
+    for mark, t in zip(marks[1:], times_ms[1:], strict=False):
         acc[stack[-1] if stack else OTHER] += t - prev
         prev = t
         opens, closes = _TRANSITIONS.get(mark, (None, None))

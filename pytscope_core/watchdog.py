@@ -1,0 +1,256 @@
+"""Hang detection: a heartbeat thread on every rank, and rank 0 telling a hang from slowness.
+
+Each rank's thread publishes (step, phase, seconds without progress, gradient syncs) to the key-value store
+torch.distributed already has, whatever its main thread is doing — blocked in an all-reduce included.
+Progress means a new timeline mark. When no rank has progressed for `hang_timeout` seconds, rank 0 splits
+the ranks into those waiting in the gradient all-reduce and those that never reached it, writes DIST.HANG,
+and raises a flag in the store; every rank then dumps all its threads' Python stacks into the run
+directory and, with on_hang="abort", exits non-zero so the launcher can restart the job in minutes
+instead of after the collective timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from .findings import Finding, Severity
+from .recorder import StepRecorder
+from .timeline import Mark
+
+HANG_EXIT_CODE = 86
+BEAT_S = 1.0  # heartbeat period: hang detection resolves to about this
+AUTO_MIN_S = 120.0  # "auto" timeout floor: startup, compilation and first checkpoints stay clear of it
+AUTO_STEP_FACTOR = 20.0  # "auto" timeout: this many times the slowest step seen after warm-up
+PAUSE_FACTOR = 4.0  # a rank paused (validation, checkpoint) gets this many timeouts before it counts as stuck
+DUMP_WAIT_S = 5.0  # how long the aborting ranks wait for the others' stack dumps
+
+WAITING_PHASES = ("comm", "gather")  # blocked in a collective, waiting for peers
+_PHASE_OF_MARK = {
+    Mark.STEP_START: "data",
+    Mark.DATA_BEGIN: "data",
+    Mark.DATA_END: "between data and forward",
+    Mark.FORWARD_BEGIN: "forward",
+    Mark.FORWARD_END: "between forward and backward",
+    Mark.BACKWARD_BEGIN: "backward",
+    Mark.GRAPH_DONE: "comm",
+    Mark.BACKWARD_END: "between backward and optimizer",
+    Mark.OPTIMIZER_BEGIN: "optimizer",
+    Mark.OPTIMIZER_END: "after the optimizer step",
+    Mark.PAUSE_BEGIN: "paused",
+    Mark.PAUSE_END: "after a pause",
+    Mark.STEP_END: "data",
+}
+
+
+def classify_hang(beats: dict[int, dict[str, Any]], world_size: int, timeout_s: float) -> Finding | None:
+    """DIST.HANG from every rank's latest heartbeat, or None while any rank still progresses.
+
+    A heartbeat: {"step", "phase", "idle_s" (seconds without progress, as of publishing), "age_s" (how old
+    the heartbeat is), "syncs"}. A rank without a heartbeat, or whose heartbeat went stale, is missing.
+    """
+    idle = {}
+    for r in range(world_size):
+        b = beats.get(r)
+        idle[r] = float("inf") if b is None else float(b["idle_s"]) + float(b.get("age_s", 0.0))
+        limit = timeout_s * (PAUSE_FACTOR if b is not None and b["phase"] == "paused" else 1.0)
+        if idle[r] < limit:
+            return None  # someone is still making progress: slow, not hung
+    waiting = sorted(r for r, b in beats.items() if b["phase"] in WAITING_PHASES)
+    missing = sorted(r for r in range(world_size) if r not in waiting)
+    where = {r: _where(beats.get(r)) for r in range(world_size)}
+    if waiting and missing:
+        syncs = max(int(beats[r]["syncs"]) for r in waiting) + 1
+        step = max(int(beats[r]["step"]) for r in waiting) + 1
+        title = f"rank{'s' if len(missing) > 1 else ''} {_ranks(missing)} never reached gradient all-reduce #{syncs}"
+        detail = (
+            f"At step {step}, rank{'s' if len(waiting) > 1 else ''} {_ranks(waiting)} "
+            f"{'have' if len(waiting) > 1 else 'has'} been waiting in backward for the gradient all-reduce for "
+            f"{min(idle[r] for r in waiting):.0f} s; "
+            + "; ".join(f"rank {r} {where[r]}" for r in missing)
+            + "."
+        )
+        ranks = missing
+    elif waiting:
+        detail = (
+            f"Every rank has waited in the gradient all-reduce for {min(idle.values()):.0f} s: "
+            "the collective itself is stuck (network, NCCL/gloo, a peer outside this job)."
+        )
+        title, ranks, step = (
+            "all ranks stuck inside the gradient all-reduce",
+            [],
+            max(int(b["step"]) for b in beats.values()) + 1,
+        )
+    else:
+        detail = (
+            "No rank has progressed: " + "; ".join(f"rank {r} {where[r]}" for r in range(world_size)) + "."
+        )
+        title, ranks, step = (
+            "no rank is making progress",
+            list(range(world_size)),
+            max((int(b["step"]) for b in beats.values()), default=0) + 1,
+        )
+    return Finding(
+        code="DIST.HANG",
+        severity=Severity.HIGH,
+        title=title,
+        detail=detail + f" (hang_timeout {timeout_s:.0f} s; stacks of every live rank are in stacks/)",
+        recommendation=(
+            "Read the missing rank's stack first: a blocked data loader, a rank that skipped a batch "
+            "(uneven shards, a data-dependent `continue`), or a rank-dependent branch around backward."
+        ),
+        ranks=tuple(ranks),
+        steps=(step,),
+        evidence={f"idle_s_rank{r}": idle[r] for r in range(min(world_size, 16)) if idle[r] != float("inf")},
+    )
+
+
+def _where(beat: dict[str, Any] | None) -> str:
+    if beat is None:
+        return "sent no heartbeat (dead or never started)"
+    return f"is at step {int(beat['step']) + 1} in `{beat['phase']}` for {float(beat['idle_s']):.0f} s"
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ", ".join(str(r) for r in ranks)
+
+
+def dump_stacks(path: Path, rank: int) -> Path:
+    """Every thread's Python stack, readable, into `path/stacks/rank{rank}.txt`."""
+    out = path / "stacks" / f"rank{rank}.txt"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    names = {t.ident: t.name for t in threading.enumerate()}
+    parts = [f"pytscope stack dump, rank {rank}, pid {os.getpid()}, {time.strftime('%Y-%m-%d %H:%M:%S')}\n"]
+    for ident, frame in sys._current_frames().items():
+        parts.append(f"\nThread {names.get(ident, '?')} ({ident}):\n")
+        parts.extend(traceback.format_stack(frame))
+    out.write_text("".join(parts))
+    return out
+
+
+class Watchdog(threading.Thread):
+    """One per rank; a daemon thread that never touches the training's tensors or collectives."""
+
+    def __init__(
+        self,
+        recorder: StepRecorder,
+        store: Any,
+        rank: int,
+        world_size: int,
+        run_dir: Path,
+        timeout_s: Callable[[], float | None],
+        on_hang: str,
+        report: Callable[[Finding], None],
+        prefix: str = "pytscope",
+    ) -> None:
+        super().__init__(name="pytscope-watchdog", daemon=True)
+        self.recorder = recorder
+        self.store = store
+        self.rank = rank
+        self.world_size = world_size
+        self.run_dir = run_dir
+        self.timeout_s = timeout_s
+        self.on_hang = on_hang
+        self.report = report
+        self.prefix = prefix
+        self.stopped = threading.Event()
+        self.status = ""  # "gather", "finished" ... set by the scope around its own waits
+        self._seen: tuple[int, int, int] = (-1, -1, -1)
+        self._progress_t = time.monotonic()
+        self._local_beat: dict[str, Any] = {}
+        self._step_seen = (recorder.steps_done, time.monotonic())
+        self.slowest_step_s = 0.0  # longest gap between two step closes seen by this thread
+
+    def stop(self) -> None:
+        self.stopped.set()
+
+    def run(self) -> None:
+        while not self.stopped.wait(BEAT_S):
+            try:
+                self._beat()
+                if self._hang_flag():
+                    self._on_hang_flag()
+                    return
+                if self.rank == 0:
+                    finding = self._check()
+                    if finding is not None:
+                        self.report(finding)
+                        self._raise_flag()
+                        self._on_hang_flag()
+                        return
+            except Exception as exc:  # the store went away (job ending): stop quietly, never hurt training
+                if not self.stopped.is_set():
+                    print(f"pytscope[rank {self.rank}]: watchdog stopped: {exc}", file=sys.stderr, flush=True)
+                return
+
+    def _beat(self) -> None:
+        rec = self.recorder
+        marks = rec._marks
+        signature = (rec.steps_done, id(marks), len(marks))
+        now = time.monotonic()
+        if signature != self._seen:
+            self._seen = signature
+            self._progress_t = now
+        if rec.steps_done != self._step_seen[0]:
+            self.slowest_step_s = max(
+                self.slowest_step_s, (now - self._step_seen[1]) / (rec.steps_done - self._step_seen[0])
+            )
+            self._step_seen = (rec.steps_done, now)
+        phase = self.status or (_PHASE_OF_MARK.get(Mark(marks[-1]), "other") if marks else "data")
+        self._local_beat = {
+            "step": rec.steps_done,
+            "phase": phase,
+            "idle_s": round(now - self._progress_t, 3),
+            "syncs": rec.grad_syncs,
+            "t": time.time(),
+        }
+        if self.store is not None:
+            self.store.set(f"{self.prefix}/hb/{self.rank}", json.dumps(self._local_beat))
+
+    def _check(self) -> Finding | None:
+        timeout = self.timeout_s()
+        if timeout is None:
+            return None
+        beats: dict[int, dict[str, Any]] = {0: {**self._local_beat, "age_s": 0.0}}
+        if self.store is not None:
+            now = time.time()
+            keys = [f"{self.prefix}/hb/{r}" for r in range(1, self.world_size)]
+            for r, key in enumerate(keys, start=1):
+                if self.store.check([key]):
+                    b = json.loads(self.store.get(key))
+                    b["age_s"] = max(0.0, now - float(b["t"]))
+                    beats[r] = b
+        return classify_hang(beats, self.world_size, timeout)
+
+    def _hang_flag(self) -> bool:
+        return self.store is not None and self.rank != 0 and bool(self.store.check([f"{self.prefix}/hang"]))
+
+    def _raise_flag(self) -> None:
+        if self.store is not None:
+            self.store.set(f"{self.prefix}/hang", "1")
+
+    def _on_hang_flag(self) -> None:
+        dump_stacks(self.run_dir, self.rank)
+        if self.store is not None:
+            self.store.set(f"{self.prefix}/dumped/{self.rank}", "1")
+        if self.on_hang != "abort":
+            return
+        if self.rank == 0 and self.store is not None:
+            deadline = time.monotonic() + DUMP_WAIT_S
+            keys = [f"{self.prefix}/dumped/{r}" for r in range(self.world_size)]
+            while time.monotonic() < deadline and not all(self.store.check([k]) for k in keys):
+                time.sleep(0.1)
+        print(
+            f"pytscope[rank {self.rank}]: hang detected, exiting with code {HANG_EXIT_CODE} (on_hang='abort')",
+            file=sys.stderr,
+            flush=True,
+        )
+        sys.stdout.flush()
+        os._exit(HANG_EXIT_CODE)
