@@ -12,7 +12,8 @@ from collections import defaultdict
 
 from .findings import Finding, Severity
 
-_LIST_LIMIT = 6  # groups of ranks spelled out in the detail; the rest is counted, so a 1,024-rank job stays short
+# Groups of ranks spelled out in the detail; the rest is counted, so a 1,024-rank job stays short.
+_LIST_LIMIT = 6
 
 
 def uneven_shards_finding(batches_per_rank: list[int]) -> Finding | None:
