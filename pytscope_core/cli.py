@@ -1,4 +1,4 @@
-"""The `pytscope` command: re-read any run (report), or run a small faulty job to see what it finds (demo).
+"""The `pytscope` command: re-read any run (report), compare runs, scale, trace, or run a faulty demo job.
 
 Bad input (a missing or junk run directory, bad arguments) exits 2 with one line on stderr, never a
 traceback; `--fail-on` exits 1 when a finding is at least that severe.
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
@@ -93,7 +94,92 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {"report": cmd_report, "demo": cmd_demo}
+def _load(path: str) -> Any:
+    from .rundir import RunDirError, load_run
+
+    try:
+        return load_run(path)
+    except RunDirError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _nonnegative(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0: {text!r}")
+    return value
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from .compare import compare_runs, render_comparison
+
+    comparison = compare_runs(_load(args.run_a), _load(args.run_b))
+    if args.json:
+        print(json.dumps(comparison.to_dict(), indent=1, allow_nan=False))
+    else:
+        _console().print(render_comparison(comparison))
+    threshold = args.fail_on_regression
+    if threshold is not None and comparison.regressed(threshold):
+        print(
+            f"pytscope compare: median step time {comparison.median_change_pct:+.1f}% (more than {threshold:g}% slower)",
+            file=sys.stderr,
+        )
+        return EXIT_FINDINGS
+    return EXIT_OK
+
+
+def cmd_scaling(args: argparse.Namespace) -> int:
+    from .scaling import render_scaling, scaling_points, write_scaling_plot
+
+    if args.target_loss is not None and not math.isfinite(args.target_loss):
+        raise UsageError("pytscope scaling: --target-loss must be a finite number")
+    result = scaling_points([_load(p) for p in args.run_dirs], target_loss=args.target_loss, weak=args.weak)
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=1, allow_nan=False))
+    else:
+        _console().print(render_scaling(result))
+    if args.plot:
+        try:
+            path = write_scaling_plot(result, args.plot)
+        except OSError as exc:
+            raise UsageError(f"pytscope scaling: cannot write {args.plot}: {exc.strerror or exc}") from None
+        print(f"wrote {path}", file=sys.stderr if args.json else sys.stdout)
+    return EXIT_OK
+
+
+def cmd_trace(args: argparse.Namespace) -> int:
+    from .summary import summarize
+    from .trace import write_chrome_trace
+
+    if args.max_steps < 1:
+        raise UsageError("pytscope trace: --max-steps must be at least 1")
+    run = _load(args.run_dir)
+    summary = summarize(run.arrays, run.context, extra_findings=tuple(run.extra_findings))
+    try:
+        info = write_chrome_trace(run.arrays, args.output, summary.findings, args.max_steps, str(run.path))
+    except OSError as exc:
+        raise UsageError(f"pytscope trace: cannot write {args.output}: {exc.strerror or exc}") from None
+    kept = (
+        f"all {info.steps_total} steps"
+        if info.steps_written == info.steps_total
+        else f"the latest {info.steps_written} of {info.steps_total} steps (from step {info.first_step})"
+    )
+    print(
+        f"wrote {info.path}: {info.events} events, {info.ranks} ranks, {kept}; open it in https://ui.perfetto.dev"
+    )
+    return EXIT_OK
+
+
+COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "report": cmd_report,
+    "demo": cmd_demo,
+    "compare": cmd_compare,
+    "scaling": cmd_scaling,
+    "trace": cmd_trace,
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -115,6 +201,37 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--run-dir", default=None)
+
+    p = sub.add_parser("compare", help="what changed between two runs (timing, phases, findings)")
+    p.add_argument("run_a")
+    p.add_argument("run_b")
+    p.add_argument("--json", action="store_true", help="print the comparison as JSON")
+    p.add_argument(
+        "--fail-on-regression",
+        type=_nonnegative,
+        metavar="PCT",
+        help="exit 1 if B's median step time is more than PCT percent slower than A's",
+    )
+
+    p = sub.add_parser("scaling", help="throughput, speedup and efficiency over runs at 1, 2, 4 ... workers")
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    p.add_argument("--json", action="store_true", help="print the points as JSON")
+    p.add_argument("--plot", metavar="FILE.png", help="write throughput and efficiency against workers")
+    p.add_argument(
+        "--target-loss", type=float, metavar="X", help="also time and worker-seconds to reach loss X"
+    )
+    p.add_argument(
+        "--weak",
+        action="store_true",
+        help="the per-rank batch is held on purpose (check it instead of the global batch)",
+    )
+
+    p = sub.add_parser("trace", help="per-rank timeline of phases in Chrome trace format (Perfetto)")
+    p.add_argument("run_dir")
+    p.add_argument("-o", "--output", required=True, metavar="FILE.json")
+    p.add_argument(
+        "--max-steps", type=int, default=20_000, help="keep only the latest N steps (default 20000)"
+    )
     return parser
 
 

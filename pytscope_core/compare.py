@@ -1,0 +1,268 @@
+"""What changed between two runs of a job: step time, where it goes, per-rank local work, and the findings.
+
+Both runs are summarised the same way as `pytscope report` (counted steps only, so a shorter warm-up does not
+read as a speed-up); the comparison is a frozen dataclass built from the two summaries, rendered by a pure
+function. A finding is the same finding in both runs when its code and ranks agree (`Finding.key`), so a
+straggler that moved from rank 3 to rank 5 reads as one disappearing and one appearing. Changes are B
+relative to A: positive step-time change means B is slower.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from .findings import Finding
+from .summary import Summary, _plain, summarize
+
+if TYPE_CHECKING:
+    from rich.console import RenderableType
+
+    from .rundir import Run
+
+MAX_RANK_ROWS = 16
+"""Above this many ranks the console shows the ranks whose local work changed most."""
+
+
+@dataclass(frozen=True)
+class PhaseChange:
+    name: str
+    share_a: float
+    share_b: float
+    median_ms_a: float
+    median_ms_b: float
+
+    @property
+    def share_change(self) -> float:
+        """Change in share of the step, in percentage points (B - A)."""
+        return 100.0 * (self.share_b - self.share_a)
+
+
+@dataclass(frozen=True)
+class RankChange:
+    rank: int
+    local_ms_a: float  # NaN when the rank is absent from run A
+    local_ms_b: float
+    straggler_a: bool
+    straggler_b: bool
+
+    @property
+    def change_pct(self) -> float:
+        return pct_change(self.local_ms_a, self.local_ms_b)
+
+
+@dataclass(frozen=True)
+class Comparison:
+    name_a: str
+    name_b: str
+    world_size_a: int
+    world_size_b: int
+    steps_a: int
+    steps_b: int
+    median_ms_a: float
+    median_ms_b: float
+    p95_ms_a: float
+    p95_ms_b: float
+    phases: tuple[PhaseChange, ...]
+    ranks: tuple[RankChange, ...]
+    appeared: tuple[Finding, ...]  # in B, not in A (by code and ranks)
+    disappeared: tuple[Finding, ...]  # in A, not in B
+    unchanged: tuple[Finding, ...]  # in both (B's version)
+
+    @property
+    def median_change_pct(self) -> float:
+        """How much slower B's median step is than A's, in percent (negative: faster)."""
+        return pct_change(self.median_ms_a, self.median_ms_b)
+
+    @property
+    def p95_change_pct(self) -> float:
+        return pct_change(self.p95_ms_a, self.p95_ms_b)
+
+    def regressed(self, threshold_pct: float) -> bool:
+        """True when the median step time got slower by more than `threshold_pct` percent."""
+        change = self.median_change_pct
+        return math.isfinite(change) and change > threshold_pct
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {
+            "a": {"run": self.name_a, "world_size": self.world_size_a, "steps": self.steps_a},
+            "b": {"run": self.name_b, "world_size": self.world_size_b, "steps": self.steps_b},
+            "timing": {
+                "median_ms": {
+                    "a": self.median_ms_a,
+                    "b": self.median_ms_b,
+                    "change_pct": self.median_change_pct,
+                },
+                "p95_ms": {"a": self.p95_ms_a, "b": self.p95_ms_b, "change_pct": self.p95_change_pct},
+                "phases": {
+                    p.name: {
+                        "share_a": p.share_a,
+                        "share_b": p.share_b,
+                        "share_change_points": p.share_change,
+                        "median_ms_a": p.median_ms_a,
+                        "median_ms_b": p.median_ms_b,
+                    }
+                    for p in self.phases
+                },
+            },
+            "per_rank": [
+                {
+                    "rank": r.rank,
+                    "local_ms_a": r.local_ms_a,
+                    "local_ms_b": r.local_ms_b,
+                    "change_pct": r.change_pct,
+                    "straggler_a": r.straggler_a,
+                    "straggler_b": r.straggler_b,
+                }
+                for r in self.ranks
+            ],
+            "findings": {
+                "appeared": [f.to_dict() for f in self.appeared],
+                "disappeared": [f.to_dict() for f in self.disappeared],
+                "unchanged": [f.to_dict() for f in self.unchanged],
+            },
+        }
+        return dict(_plain(out))
+
+
+def pct_change(a: float, b: float) -> float:
+    """(b - a) / a in percent; NaN when either is unknown or a is not positive."""
+    if not (math.isfinite(a) and math.isfinite(b)) or a <= 0:
+        return math.nan
+    return 100.0 * (b - a) / a
+
+
+def compare_summaries(a: Summary, b: Summary, name_a: str = "A", name_b: str = "B") -> Comparison:
+    """The comparison of two summaries (B relative to A); `compare_runs` summarises and delegates here."""
+    phases_b = {p.name: p for p in b.timing.phases}
+    phases = tuple(
+        PhaseChange(p.name, p.share, phases_b[p.name].share, p.median_ms, phases_b[p.name].median_ms)
+        for p in a.timing.phases
+    )
+    ranks_a = {r.rank: r for r in a.distributed.per_rank}
+    ranks_b = {r.rank: r for r in b.distributed.per_rank}
+    ranks = []
+    for rank in sorted(set(ranks_a) | set(ranks_b)):
+        ra, rb = ranks_a.get(rank), ranks_b.get(rank)
+        ranks.append(
+            RankChange(
+                rank,
+                ra.local_ms if ra else math.nan,
+                rb.local_ms if rb else math.nan,
+                bool(ra and ra.straggler),
+                bool(rb and rb.straggler),
+            )
+        )
+    keys_a = {f.key for f in a.findings}
+    keys_b = {f.key for f in b.findings}
+    return Comparison(
+        name_a=name_a,
+        name_b=name_b,
+        world_size_a=a.run.world_size,
+        world_size_b=b.run.world_size,
+        steps_a=a.timing.steps_counted,
+        steps_b=b.timing.steps_counted,
+        median_ms_a=a.timing.median_ms,
+        median_ms_b=b.timing.median_ms,
+        p95_ms_a=a.timing.p95_ms,
+        p95_ms_b=b.timing.p95_ms,
+        phases=phases,
+        ranks=tuple(ranks),
+        appeared=tuple(f for f in b.findings if f.key not in keys_a),
+        disappeared=tuple(f for f in a.findings if f.key not in keys_b),
+        unchanged=tuple(f for f in b.findings if f.key in keys_a),
+    )
+
+
+def compare_runs(run_a: Run, run_b: Run) -> Comparison:
+    """What changed from run A to run B: step time, phase shares, per-rank local work, findings."""
+    sa = summarize(run_a.arrays, run_a.context, extra_findings=tuple(run_a.extra_findings))
+    sb = summarize(run_b.arrays, run_b.context, extra_findings=tuple(run_b.extra_findings))
+    return compare_summaries(sa, sb, str(run_a.path), str(run_b.path))
+
+
+def _fmt(x: float, fmt: str = ".2f", unit: str = "") -> str:
+    return f"{x:{fmt}}{unit}" if math.isfinite(x) else "n/a"
+
+
+def _signed(x: float, unit: str = "%") -> str:
+    return f"{x:+.1f}{unit}" if math.isfinite(x) else "n/a"
+
+
+def _finding_line(f: Finding) -> str:
+    ranks = f" ranks {', '.join(map(str, f.ranks))}" if f.ranks else ""
+    return f"[{f.severity.name}] {f.title} ({f.code}{ranks})"
+
+
+def render_comparison(c: Comparison) -> RenderableType:
+    """Step time, phases and per-rank local work side by side, then the findings that came and went."""
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    parts: list[RenderableType] = [
+        Text("Comparison", style="bold underline"),
+        Text(f"A: {c.name_a}  ({c.world_size_a} ranks, {c.steps_a} counted steps)"),
+        Text(f"B: {c.name_b}  ({c.world_size_b} ranks, {c.steps_b} counted steps)"),
+    ]
+    timing = Table(box=None, pad_edge=False)
+    for name in ("", "A", "B", "change"):
+        timing.add_column(name, justify="left" if not name else "right")
+    timing.add_row("median step ms", _fmt(c.median_ms_a), _fmt(c.median_ms_b), _signed(c.median_change_pct))
+    timing.add_row("p95 step ms", _fmt(c.p95_ms_a), _fmt(c.p95_ms_b), _signed(c.p95_change_pct))
+    parts += [Text("\nStep time", style="bold underline"), timing]
+
+    phases = Table(box=None, pad_edge=False)
+    for name in ("phase", "share A", "share B", "change", "median ms A", "median ms B"):
+        phases.add_column(name, justify="left" if name == "phase" else "right")
+    for p in c.phases:
+        phases.add_row(
+            p.name,
+            _fmt(100 * p.share_a, ".1f", "%"),
+            _fmt(100 * p.share_b, ".1f", "%"),
+            _signed(p.share_change, " pts"),
+            _fmt(p.median_ms_a),
+            _fmt(p.median_ms_b),
+        )
+    parts += [Text("\nPhases", style="bold underline"), phases]
+
+    rows = list(c.ranks)
+    omitted = 0
+    if len(rows) > MAX_RANK_ROWS:
+        # The ranks that moved most are the ones worth reading; the rest are listed in --json.
+        rows = sorted(rows, key=lambda r: abs(r.change_pct) if math.isfinite(r.change_pct) else math.inf)
+        rows = sorted(rows[-MAX_RANK_ROWS:], key=lambda r: r.rank)
+        omitted = len(c.ranks) - len(rows)
+    ranks = Table(box=None, pad_edge=False)
+    for name in ("rank", "local ms A", "local ms B", "change", ""):
+        ranks.add_column(name, justify="left" if name in ("", "rank") else "right")
+    for r in rows:
+        mark = {
+            (False, True): "straggler now",
+            (True, False): "no longer a straggler",
+            (True, True): "straggler",
+        }
+        ranks.add_row(
+            str(r.rank),
+            _fmt(r.local_ms_a),
+            _fmt(r.local_ms_b),
+            _signed(r.change_pct),
+            mark.get((r.straggler_a, r.straggler_b), ""),
+        )
+    parts += [Text("\nPer-rank local work", style="bold underline"), ranks]
+    if omitted:
+        parts.append(Text(f"... {omitted} ranks omitted (showing the {len(rows)} that changed most)"))
+
+    parts.append(Text("\nFindings", style="bold underline"))
+    for label, items, style in (
+        ("appeared", c.appeared, "red"),
+        ("disappeared", c.disappeared, "green"),
+        ("still there", c.unchanged, "dim"),
+    ):
+        if items:
+            parts.append(Text(f"{label}:", style=style))
+            parts.extend(Text(f"  {_finding_line(f)}") for f in items)
+    if not (c.appeared or c.disappeared or c.unchanged):
+        parts.append(Text("No findings in either run."))
+    return Group(*parts)

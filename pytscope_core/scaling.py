@@ -1,0 +1,300 @@
+"""Scaling analysis over runs of one job at 1, 2, 4 ... workers: throughput, speedup, efficiency, cost to target.
+
+Throughput T is counted work over counted wall time: samples per second when every run records its batch
+size (the samples column), else optimizer steps per second, the same unit for every point. Speedup is
+T_W / T_1 and efficiency T_W / (W x T_1); without a 1-worker run the smallest run is the base and both are
+relative to it (speedup T_W / T_base, efficiency T_W / ((W / W_base) x T_base)), and the result says so.
+Throughput alone hides the quality side: with `target_loss`, each point also says how long the run took to
+get there (the sum of step walls up to the first step whose rank-mean loss is at or below the target, so
+validation pauses and restart downtime do not count) and what that cost in worker-seconds. Those numbers
+only compare like with like when every run trains with the same global batch (per-rank samples x W), so a
+difference there is a warning.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .analysis.convergence import loss_per_step
+from .analysis.timing import statistics_steps, step_wall_ms
+from .summary import Summary, _plain, summarize
+
+if TYPE_CHECKING:
+    from rich.console import RenderableType
+
+    from .rundir import Run
+
+BATCH_MISMATCH_TOLERANCE = 0.01
+"""Global batches within 1% are the same contract (a last partial batch moves the median by less)."""
+
+
+@dataclass(frozen=True)
+class ScalingPoint:
+    run: str
+    world_size: int
+    steps_counted: int
+    median_step_ms: float
+    global_batch: float | None  # median per-rank samples per step x W; None when not recorded
+    throughput: float  # in Scaling.unit
+    speedup: float
+    efficiency: float
+    phase_shares: dict[str, float]  # share of step wall per phase (counted steps)
+    comm_share: float  # exposed communication (transfer + sync wait)
+    transfer_share: float
+    sync_wait_share: float  # waiting for slower peers inside the all-reduce
+    data_share: float
+    seconds_to_target: float | None = None
+    worker_seconds_to_target: float | None = None
+    step_at_target: int | None = None
+
+
+@dataclass(frozen=True)
+class Scaling:
+    points: tuple[ScalingPoint, ...]
+    unit: str  # "samples/s" or "steps/s"
+    base_world_size: int
+    base_is_single_worker: bool
+    target_loss: float | None
+    warnings: tuple[str, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        points = []
+        for p in self.points:
+            d: dict[str, Any] = {
+                "run": p.run,
+                "world_size": p.world_size,
+                "steps_counted": p.steps_counted,
+                "median_step_ms": p.median_step_ms,
+                "global_batch": p.global_batch,
+                "throughput": p.throughput,
+                "speedup": p.speedup,
+                "efficiency": p.efficiency,
+                "phases": dict(p.phase_shares),
+                "comm_share": p.comm_share,
+                "transfer_share": p.transfer_share,
+                "sync_wait_share": p.sync_wait_share,
+                "data_share": p.data_share,
+            }
+            if self.target_loss is not None:
+                d["seconds_to_target"] = p.seconds_to_target
+                d["worker_seconds_to_target"] = p.worker_seconds_to_target
+                d["step_at_target"] = p.step_at_target
+            points.append(d)
+        out = {
+            "unit": self.unit,
+            "base_world_size": self.base_world_size,
+            "base_is_single_worker": self.base_is_single_worker,
+            "target_loss": self.target_loss,
+            "points": points,
+            "warnings": list(self.warnings),
+        }
+        return dict(_plain(out))
+
+
+def _counted_work(run: Run) -> tuple[float, float, float, float | None]:
+    """(counted wall seconds, counted steps, counted samples or NaN, median per-rank samples per step)."""
+    a = run.arrays
+    sel = statistics_steps(a)
+    wall = step_wall_ms(a)[sel]
+    ok = np.isfinite(wall)
+    seconds = float(wall[ok].sum()) / 1e3
+    samples = np.asarray(a.samples)[sel][ok]
+    recorded = np.isfinite(np.asarray(a.wall_ms)[sel][ok])
+    # Samples are "known" only when every rank that recorded a step also recorded its batch size.
+    known = samples.size > 0 and bool(np.all(np.isfinite(samples[recorded])))
+    total = float(np.nansum(samples)) if known else math.nan
+    per_rank = float(np.nanmedian(samples[recorded])) if known else None
+    return seconds, float(ok.sum()), total, per_rank
+
+
+def time_to_target(run: Run, target_loss: float) -> tuple[float | None, int | None]:
+    """Sum of step walls (rank mean, warm-up included) through the first step with loss <= target, and that step."""
+    a = run.arrays
+    loss = loss_per_step(a)
+    with np.errstate(invalid="ignore"):
+        hit = np.flatnonzero(loss <= target_loss)
+    if hit.size == 0:
+        return None, None
+    i = int(hit[0])
+    wall = step_wall_ms(a)[: i + 1]
+    return float(np.nansum(wall)) / 1e3, int(a.steps[i])
+
+
+def scaling_points(runs: Sequence[Run], target_loss: float | None = None, weak: bool = False) -> Scaling:
+    """One point per run, sorted by world size; `weak` states that the per-rank batch is held on purpose."""
+    if not runs:
+        raise ValueError("scaling needs at least one run")
+    summaries: list[Summary] = [
+        summarize(r.arrays, r.context, extra_findings=tuple(r.extra_findings)) for r in runs
+    ]
+    order = sorted(range(len(runs)), key=lambda i: (summaries[i].run.world_size, str(runs[i].path)))
+    work = [_counted_work(runs[i]) for i in order]
+    use_samples = all(math.isfinite(w[2]) for w in work)
+    unit = "samples/s" if use_samples else "steps/s"
+    throughputs = [(w[2] if use_samples else w[1]) / w[0] if w[0] > 0 else math.nan for w in work]
+    worlds = [max(summaries[i].run.world_size, 1) for i in order]
+    base_w, base_t = worlds[0], throughputs[0]
+    warnings: list[str] = []
+    if base_w != 1:
+        warnings.append(
+            f"no 1-worker run: speedup and efficiency are relative to the {base_w}-worker run "
+            f"(efficiency = T_W / ((W / {base_w}) x T_{base_w}))"
+        )
+    if len(set(worlds)) < len(worlds):
+        warnings.append(
+            "several runs share a worker count; the first one (by path) is the base for its count"
+        )
+    if not use_samples:
+        missing = [str(runs[i].path) for i, w in zip(order, work, strict=True) if not math.isfinite(w[2])]
+        warnings.append(
+            f"batch size not recorded in {', '.join(missing)}: throughput is in steps/s, which assumes every "
+            "run does the same work per step; the global-batch contract cannot be checked"
+        )
+    else:
+        warnings.extend(_batch_contract(worlds, [w[3] for w in work], weak))
+
+    points = []
+    for k, i in enumerate(order):
+        s, w = summaries[i], worlds[k]
+        speedup = throughputs[k] / base_t if base_t > 0 else math.nan
+        efficiency = speedup / (w / base_w)
+        shares = {p.name: p.share for p in s.timing.phases}
+        seconds, step = time_to_target(runs[i], target_loss) if target_loss is not None else (None, None)
+        per_rank = work[k][3]
+        points.append(
+            ScalingPoint(
+                run=str(runs[i].path),
+                world_size=w,
+                steps_counted=s.timing.steps_counted,
+                median_step_ms=s.timing.median_ms,
+                global_batch=per_rank * w if per_rank is not None else None,
+                throughput=throughputs[k],
+                speedup=speedup,
+                efficiency=efficiency,
+                phase_shares=shares,
+                comm_share=shares.get("comm", math.nan),
+                transfer_share=s.distributed.transfer_share,
+                sync_wait_share=s.distributed.sync_wait_share,
+                data_share=shares.get("data", math.nan),
+                seconds_to_target=seconds,
+                worker_seconds_to_target=seconds * w if seconds is not None else None,
+                step_at_target=step,
+            )
+        )
+    if target_loss is not None:
+        never = [p.run for p in points if p.seconds_to_target is None]
+        if never:
+            warnings.append(f"never reached loss {target_loss:g}: {', '.join(never)}")
+    return Scaling(tuple(points), unit, base_w, base_w == 1, target_loss, tuple(warnings))
+
+
+def _batch_contract(worlds: list[int], per_rank: list[float | None], weak: bool) -> list[str]:
+    sizes = [
+        (b if weak else b * w) if b is not None else math.nan for w, b in zip(worlds, per_rank, strict=True)
+    ]
+    finite = [x for x in sizes if math.isfinite(x)]
+    if len(finite) < 2 or (max(finite) - min(finite)) <= BATCH_MISMATCH_TOLERANCE * max(finite):
+        return []
+    listed = ", ".join(f"{w} workers: {x:g}" for w, x in zip(worlds, sizes, strict=True))
+    if weak:
+        return [f"per-rank batch differs between runs ({listed}); weak scaling needs the same per-rank batch"]
+    return [
+        f"runs do not share a global batch ({listed}): samples/s compares, but loss per step and time to a "
+        "target loss do not unless the learning rate and schedule were adjusted (pass --weak if the per-rank "
+        "batch is held on purpose)"
+    ]
+
+
+def _fmt(x: float | None, fmt: str = ".2f", unit: str = "") -> str:
+    return f"{x:{fmt}}{unit}" if x is not None and math.isfinite(x) else "n/a"
+
+
+def render_scaling(s: Scaling) -> RenderableType:
+    """The scaling table, where the time goes per worker count, and the warnings."""
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    table = Table(box=None, pad_edge=False)
+    headers = ["workers", f"throughput ({s.unit})", "speedup", "efficiency", "step ms"]
+    headers += ["compute", "comm", "sync wait", "data"]
+    if s.target_loss is not None:
+        headers += ["s to target", "worker-s to target"]
+    for name in headers:
+        table.add_column(name, justify="right")
+    for p in s.points:
+        compute = p.phase_shares.get("forward", math.nan) + p.phase_shares.get("backward", math.nan)
+        row = [
+            str(p.world_size),
+            _fmt(p.throughput, ".1f"),
+            _fmt(p.speedup, ".2f", "x"),
+            _fmt(100 * p.efficiency, ".0f", "%"),
+            _fmt(p.median_step_ms),
+            _fmt(100 * compute, ".1f", "%"),
+            _fmt(100 * p.comm_share, ".1f", "%"),
+            _fmt(100 * p.sync_wait_share, ".1f", "%"),
+            _fmt(100 * p.data_share, ".1f", "%"),
+        ]
+        if s.target_loss is not None:
+            row += [_fmt(p.seconds_to_target, ".1f"), _fmt(p.worker_seconds_to_target, ".1f")]
+        table.add_row(*row)
+    base = (
+        "the 1-worker run"
+        if s.base_is_single_worker
+        else f"the {s.base_world_size}-worker run (no 1-worker run)"
+    )
+    parts: list[RenderableType] = [
+        Text("Scaling", style="bold underline"),
+        table,
+        Text(
+            f"speedup = T_W / T_base, efficiency = T_W / ((W / W_base) x T_base), base: {base}; "
+            "comm, sync wait and data are shares of step wall",
+            style="dim",
+        ),
+    ]
+    if s.target_loss is not None:
+        parts.append(
+            Text(f"target loss {s.target_loss:g}: time is the sum of step walls up to it", style="dim")
+        )
+    parts.extend(Text(f"warning: {w}", style="yellow") for w in s.warnings)
+    return Group(*parts)
+
+
+def write_scaling_plot(s: Scaling, path: str | Path) -> Path:
+    """PNG: throughput and efficiency against workers, each with the ideal (linear) line."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    workers = np.array([p.world_size for p in s.points], dtype=float)
+    throughput = np.array([p.throughput for p in s.points], dtype=float)
+    efficiency = np.array([p.efficiency for p in s.points], dtype=float)
+    base_t = throughput[0] if throughput.size else math.nan
+    fig = Figure(figsize=(10, 4), layout="constrained")
+    FigureCanvasAgg(fig)  # Agg without pyplot: no global backend switch, safe inside a user's process
+    ax1, ax2 = fig.subplots(1, 2)
+    ax1.plot(workers, throughput, "o-", label="measured")
+    ax1.plot(workers, base_t * workers / s.base_world_size, "--", color="grey", label="ideal (linear)")
+    ax1.set_xlabel("workers")
+    ax1.set_ylabel(f"throughput ({s.unit})")
+    ax1.set_title("Throughput")
+    ax1.legend()
+    ax2.plot(workers, 100 * efficiency, "o-", color="tab:orange", label="measured")
+    ax2.axhline(100, linestyle="--", color="grey", label="ideal")
+    ax2.set_xlabel("workers")
+    ax2.set_ylabel("scaling efficiency (%)")
+    ax2.set_ylim(bottom=0)
+    ax2.set_title("Efficiency")
+    ax2.legend()
+    for ax in (ax1, ax2):
+        ax.set_xticks(workers)
+        ax.grid(alpha=0.3)
+    fig.savefig(out, format="png", dpi=100)
+    return out

@@ -1,0 +1,69 @@
+"""Recorded runs for tests: synthetic per-step arrays written through `RunWriter`, read back with `load_run`.
+
+Writing real run directories (instead of building `RunArrays` in memory) exercises the same reader the
+commands use, without spawning a training job.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from pytscope_core.findings import Finding
+from pytscope_core.records import COL, NCOLS, PHASES
+from pytscope_core.rundir import RunWriter
+
+T0 = 1_700_000_000.0  # an arbitrary epoch second for the first loop top
+
+
+def phases_of(steps: int, ranks: int, ms: dict[str, float], seed: int = 0, noise: float = 0.0) -> np.ndarray:
+    """(steps, ranks, 6) phase times: `ms` per phase name (missing ones 0), with optional relative noise."""
+    base = np.array([ms.get(p, 0.0) for p in PHASES])
+    out = np.broadcast_to(base, (steps, ranks, len(PHASES))).copy()
+    if noise:
+        out *= 1 + noise * np.random.default_rng(seed).standard_normal(out.shape).clip(-3, 3)
+    return out
+
+
+def write_run(
+    path: Path,
+    phases: np.ndarray,
+    *,
+    loss: np.ndarray | None = None,
+    samples: float | np.ndarray | None = None,
+    segment: np.ndarray | None = None,
+    warmup: int = 0,
+    findings: tuple[Finding, ...] = (),
+    t0: float = T0,
+) -> Path:
+    """Write `phases` (S, R, 6 ms) as a run: steps back to back from `t0`, every rank starting together.
+
+    `loss` is (S,) or (S, R); `samples` a per-rank batch size (scalar or (S, R)); `segment` (S,) restarts.
+    `findings` are stored as integration findings, so every command sees them.
+    """
+    s, r, _ = phases.shape
+    wall = phases.sum(axis=2)
+    step_wall = wall.max(axis=1)  # under DDP the next step starts when the slowest rank is done
+    starts = t0 + np.concatenate(([0.0], np.cumsum(step_wall)[:-1])) / 1e3
+    rows = np.full((s, r, NCOLS), np.nan)
+    rows[:, :, COL["rank"]] = np.arange(r)[None, :]
+    rows[:, :, COL["segment"]] = (segment if segment is not None else np.zeros(s))[:, None]
+    rows[:, :, COL["step"]] = np.arange(1, s + 1)[:, None]
+    rows[:, :, COL["start_s"]] = starts[:, None]
+    rows[:, :, COL["wall_ms"]] = wall
+    for i, p in enumerate(PHASES):
+        rows[:, :, COL[f"{p}_ms"]] = phases[:, :, i]
+    rows[:, :, COL["excluded_ms"]] = 0.0
+    if loss is not None:
+        rows[:, :, COL["loss"]] = loss[:, None] if loss.ndim == 1 else loss
+    if samples is not None:
+        rows[:, :, COL["samples"]] = samples
+    rows[:, :, COL["grad_syncs"]] = 1.0
+    rows[:, :, COL["micro_batches"]] = 1.0
+    writer = RunWriter(path, {"world_size": r, "warmup": warmup, "interval": 50, "device": "cpu"})
+    writer.append_rows(rows.reshape(-1, NCOLS))
+    for f in findings:
+        writer.event("finding", step=s, source="integration", finding=f.to_dict())
+    writer.close()
+    return path
