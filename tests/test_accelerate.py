@@ -1,0 +1,214 @@
+"""Real multi-process tests of the Accelerate integration: `examples/accelerate_ddp.py` under torchrun.
+
+Every test launches the example on CPU (gloo) with its own free port, so it can run beside other tests,
+then reads the run directory rank 0 wrote. Faults are real: a rank that busy-waits, every rank SIGKILLed
+mid-run and resumed from `accelerator.save_state`, gradient accumulation, misuse of `finish()`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from pytscope_core.records import COL
+from pytscope_core.rundir import load_run, read_events, read_rows
+from pytscope_core.summary import summarize
+
+pytest.importorskip("accelerate")
+
+EXAMPLE = str(Path(__file__).resolve().parents[1] / "examples" / "accelerate_ddp.py")
+ENV = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
+
+pytestmark = pytest.mark.multiproc
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def launch(*args: str, nproc: int = 2, ok: bool = True) -> subprocess.CompletedProcess[str]:
+    if nproc == 1:
+        cmd = [sys.executable, EXAMPLE, *args]
+    else:
+        cmd = ["torchrun", "--nproc_per_node", str(nproc), "--master_port", str(free_port()), EXAMPLE, *args]
+    proc = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=120)
+    if ok:
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return proc
+
+
+def report(run_dir: Path) -> dict[str, Any]:
+    run = load_run(run_dir)
+    assert run.problems == []
+    return summarize(run.arrays, run.context, extra_findings=tuple(run.extra_findings)).to_dict()
+
+
+def codes(summary: dict[str, Any]) -> list[str]:
+    return [f["code"] for f in summary["findings"]]
+
+
+def test_busy_rank_is_the_only_straggler(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    launch("--straggler", "--steps", "150", "--interval", "25", "--run-dir", str(run_dir), "--no-console")
+    s = report(run_dir)
+    assert s["run"]["world_size"] == 2 and s["run"]["steps"] == 150
+    assert s["distributed"]["stragglers"] == [1]
+    straggler = [f for f in s["findings"] if f["code"] == "DIST.STRAGGLER"]
+    assert [f["ranks"] for f in straggler] == [[1]]
+    assert "DIST.COMM_BOUND" not in codes(s)  # the straggler's bill is sync wait, not communication
+    local = {r["rank"]: r["local_ms"] for r in s["distributed"]["per_rank"]}
+    assert local[1] - local[0] > 2.0  # ~4 ms of busy-waiting per step on rank 1
+    shares = [p["share"] for p in s["timing"]["phases"].values()]
+    assert sum(shares) == pytest.approx(1.0, abs=1e-6)
+
+
+def test_kill_and_resume_continues_the_same_run(tmp_path: Path) -> None:
+    run_dir, ckpt = tmp_path / "run", tmp_path / "ckpt"
+    common = ("--straggler", "--steps", "200", "--interval", "10", "--run-dir", str(run_dir), "--no-console")
+    killed = launch(*common, "--save-at", "100", "--kill-at", "130", "--checkpoint-dir", str(ckpt), ok=False)
+    assert killed.returncode != 0
+    assert (ckpt / "custom_checkpoint_0.pkl").exists()
+    before = read_rows(run_dir)
+    # Steps after the checkpoint were gathered before the kill: the resumed launch replays them.
+    assert before[:, COL["step"]].max() >= 120 and set(before[:, COL["segment"]]) == {0.0}
+
+    launch(*common, "--resume", str(ckpt))
+    rows = read_rows(run_dir)
+    for rank in (0, 1):
+        mine = rows[rows[:, COL["rank"]] == rank]
+        seg0 = mine[mine[:, COL["segment"]] == 0][:, COL["step"]]
+        seg1 = mine[mine[:, COL["segment"]] == 1][:, COL["step"]]
+        assert seg1.min() == 101 and seg1.max() == 200 and len(np.unique(seg1)) == len(seg1) == 100
+        assert set(seg0[seg0 > 100]) <= set(range(101, 131))  # what the killed launch did after the save
+
+    s = report(run_dir)
+    assert s["run"]["steps"] == 200 and s["run"]["restarts"] == 1
+    assert (s["run"]["first_step"], s["run"]["last_step"]) == (1, 200)
+    segments = s["run"]["segments"]
+    assert [g["index"] for g in segments] == [0, 1] and segments[1]["resumed_from_step"] == 100
+    assert s["run"]["goodput"]["replayed_s"] > 0  # the superseded steps 101..~120 are charged as lost
+    run = load_run(run_dir)
+    assert run.arrays.n_steps == 200 and run.arrays.replayed.shape[0] >= 2 * 20
+    seg = run.arrays.segment[:, 0]
+    assert (seg[:100] == 0).all() and (seg[100:] == 1).all()
+    assert np.isfinite(run.arrays.phases).all()  # both segments' phases, every step on every rank
+    # Live findings came from both launches: some before and some after the second segment started.
+    events, _ = read_events(run_dir)
+    kinds = [e["type"] for e in events]
+    second = [i for i, k in enumerate(kinds) if k == "segment"][1]
+    straggler_at = [
+        i for i, e in enumerate(events) if e["type"] == "finding" and e["finding"]["code"] == "DIST.STRAGGLER"
+    ]
+    assert min(straggler_at) < second < max(straggler_at)
+    assert s["distributed"]["stragglers"] == [1]
+
+
+def test_gradient_accumulation_counts_optimizer_steps(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    launch("--grad-accum", "4", "--steps", "10", "--interval", "5", "--run-dir", str(run_dir), "--no-console")
+    rows = read_rows(run_dir)
+    for rank in (0, 1):
+        mine = rows[rows[:, COL["rank"]] == rank]
+        assert sorted(mine[:, COL["step"]]) == list(range(1, 11))  # 40 batches -> 10 steps
+        assert (mine[:, COL["micro_batches"]] == 4).all()
+        assert (mine[:, COL["grad_syncs"]] == 1).all()  # accumulate() skips the all-reduce 3 times in 4
+        assert (mine[:, COL["samples"]] == 4 * 512).all()
+    assert report(run_dir)["run"]["steps"] == 10
+
+
+def test_single_process_without_torchrun(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    proc = launch("--steps", "120", "--interval", "40", "--run-dir", str(run_dir), nproc=1)
+    s = report(run_dir)
+    assert s["run"]["world_size"] == 1 and s["run"]["steps"] == 120
+    assert s["convergence"]["trend"] == "improving"
+    assert "Step-time breakdown" in proc.stdout and str(run_dir) in proc.stdout
+
+
+def test_finish_twice_is_harmless(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    proc = launch("--finish-twice", "--steps", "40", "--interval", "20", "--run-dir", str(run_dir))
+    assert proc.stdout.count("Step-time breakdown") == 1  # one summary, printed by rank 0 only
+    assert json.loads((run_dir / "summary.json").read_text())["run"]["steps"] == 40
+
+
+def test_forgotten_finish_still_reports_at_exit(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    proc = launch("--forget-finish", "--steps", "40", "--interval", "15", "--run-dir", str(run_dir))
+    assert proc.stdout.count("Step-time breakdown") == 1
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["run"]["steps"] == 40 and summary["run"]["world_size"] == 2
+    assert summary["scope"]["errors"] == []
+
+
+def test_finish_after_end_training_says_so(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    proc = launch("--finish-after-end", "--steps", "40", "--interval", "15", "--run-dir", str(run_dir))
+    assert "call finish() before" in proc.stderr
+    errors = json.loads((run_dir / "summary.json").read_text())["scope"]["errors"]
+    assert any("after the process group was destroyed" in e for e in errors)
+    assert "Scope errors" in proc.stdout  # and the printed summary says it too
+
+
+def test_live_metrics_reach_accelerate_trackers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """In-process, one process: every gather's metrics arrive through accelerator.log at the gather's step."""
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "1")
+    import torch
+    from accelerate import Accelerator
+    from accelerate.tracking import GeneralTracker
+
+    from pytscope_accelerate import AccelerateScope
+
+    class Recording(GeneralTracker):
+        name = "recording"
+        requires_logging_directory = False
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.logged: list[tuple[dict[str, Any], int | None]] = []
+
+        @property
+        def tracker(self) -> Any:
+            return self
+
+        def store_init_configuration(self, values: dict[str, Any]) -> None:
+            pass
+
+        def log(self, values: dict[str, Any], step: int | None = None, **kwargs: Any) -> None:
+            self.logged.append((dict(values), step))
+
+    tracker = Recording()
+    accelerator = Accelerator(log_with=[tracker])
+    accelerator.init_trackers("pytscope-test")
+    x = torch.randn(30 * 16, 8)
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=16
+    )
+    model = torch.nn.Linear(8, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    scope = AccelerateScope(accelerator, tmp_path / "run", interval=10, warmup=2, console=False)
+    scope.watch(model, optimizer, loader)
+    for xb, yb in loader:
+        loss = torch.nn.functional.mse_loss(model(xb), yb)
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        scope.log(loss=loss)
+    summary = scope.finish()
+    accelerator.end_training()
+    assert [step for _, step in tracker.logged] == [10, 20, 30]  # one report per gather, at its last step
+    assert all(
+        "pytscope/step_ms" in values and values["pytscope/step_ms"] > 0 for values, _ in tracker.logged
+    )
+    assert summary.run.steps == 30
