@@ -80,30 +80,30 @@ def trace_events(
             t0, wall = starts[k], walls[k]
             if not (math.isfinite(t0) and math.isfinite(wall)):
                 continue  # no record for this rank in this step
-            ts = (t0 - origin) * 1e6
+            # Whole nanoseconds: slice edges computed once and shared, so rounding never lets a phase poke
+            # out of its step (viewers drop or mis-nest slices that overlap their parent by a hair).
+            t_ns = round((t0 - origin) * 1e9)
             ph = np.nan_to_num(phases[k])
-            ends = np.cumsum(ph) * 1e3
-            # The enclosing slice covers every phase even when rounding left the phases a hair over wall.
-            span = max(wall * 1e3, float(ends[-1])) + excluded[k] * 1e3
+            edges = [t_ns, *(t_ns + int(x) for x in np.rint(np.cumsum(ph) * 1e6))]
+            end_ns = max(t_ns + round(wall * 1e6), edges[-1])
+            excl_ns = round(excluded[k] * 1e6)
             step = int(arrays.steps[lo + k])
-            yield {"name": f"step {step}", "cat": "step", "ph": "X", "pid": pid, "tid": 0,
-                   "ts": round(ts, 3), "dur": round(span, 3), "args": {"step": step, "wall_ms": float(wall)}}  # fmt: skip
-            begin = 0.0
+            yield {"name": f"step {step}", "cat": "step", "ph": "X", "pid": pid, "tid": 0, "ts": t_ns / 1e3,
+                   "dur": (end_ns + excl_ns - t_ns) / 1e3, "args": {"step": step, "wall_ms": float(wall)}}  # fmt: skip
             for p, name in enumerate(PHASES):
-                if ph[p] > 0:
-                    yield {"name": name, "cat": "phase", "ph": "X", "pid": pid, "tid": 0,
-                           "ts": round(ts + begin, 3), "dur": round(ph[p] * 1e3, 3), "args": {"step": step}}  # fmt: skip
-                begin = float(ends[p])
-            if excluded[k] > 0:
+                if edges[p + 1] > edges[p]:
+                    yield {"name": name, "cat": "phase", "ph": "X", "pid": pid, "tid": 0, "ts": edges[p] / 1e3,
+                           "dur": (edges[p + 1] - edges[p]) / 1e3, "args": {"step": step}}  # fmt: skip
+            if excl_ns > 0:
                 yield {"name": "excluded (validation, checkpoint ...)", "cat": "excluded", "ph": "X", "pid": pid,
-                       "tid": 0, "ts": round(ts + begin, 3), "dur": round(excluded[k] * 1e3, 3), "args": {"step": step}}  # fmt: skip
+                       "tid": 0, "ts": end_ns / 1e3, "dur": excl_ns / 1e3, "args": {"step": step}}  # fmt: skip
     yield from _instants(arrays, findings, lo, origin)
 
 
 def _step_ts(arrays: RunArrays, i: int, origin: float) -> float | None:
     row = np.asarray(arrays.start_s[i])
     ok = row[np.isfinite(row)]
-    return round((float(ok.min()) - origin) * 1e6, 3) if ok.size else None
+    return round((float(ok.min()) - origin) * 1e9) / 1e3 if ok.size else None
 
 
 def _instants(

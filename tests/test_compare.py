@@ -1,0 +1,102 @@
+"""compare: two recorded runs with a known 20% slowdown, a straggler that appears, findings that come and go."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+from runfactory import phases_of, write_run
+
+from pytscope_core.cli import main
+from pytscope_core.compare import compare_runs, render_comparison
+from pytscope_core.findings import Finding, Severity
+from pytscope_core.rundir import load_run
+
+STEPS = 200
+
+
+def _finding(code: str, ranks: tuple[int, ...]) -> Finding:
+    return Finding(code, Severity.LOW, f"test {code}", "detail", "do nothing", ranks=ranks, steps=(10,))
+
+
+@pytest.fixture
+def pair(tmp_path):
+    """A: 10 ms steps on 4 ranks. B: 12 ms steps (+20%) because rank 3 does 2 ms more forward work."""
+    a = phases_of(STEPS, 4, {"data": 1.0, "forward": 4.0, "backward": 4.0, "comm": 0.5, "optimizer": 0.5})
+    b = phases_of(STEPS, 4, {"data": 1.0, "forward": 4.0, "backward": 4.0, "comm": 2.5, "optimizer": 0.5})
+    b[:, 3, 1] = 6.0  # rank 3's forward: the others wait 2 ms longer in the all-reduce
+    b[:, 3, 3] = 0.5
+    kept, moved = _finding("TEST.KEPT", ()), _finding("TEST.MOVED", (1,))
+    run_a = write_run(tmp_path / "a", a, findings=(kept, moved, _finding("TEST.GONE", ())))
+    run_b = write_run(tmp_path / "b", b, findings=(kept, _finding("TEST.MOVED", (2,))))
+    return run_a, run_b
+
+
+def test_known_slowdown(pair):
+    c = compare_runs(load_run(pair[0]), load_run(pair[1]))
+    assert c.median_ms_a == pytest.approx(10.0) and c.median_ms_b == pytest.approx(12.0)
+    assert c.median_change_pct == pytest.approx(20.0)
+    assert c.p95_change_pct == pytest.approx(20.0)
+    comm = next(p for p in c.phases if p.name == "comm")
+    # B's comm share: (3 x 2.5 + 0.5) / (4 x 12) against A's 0.5 / 10.
+    assert comm.share_change == pytest.approx(100 * ((3 * 2.5 + 0.5) / 48 - 0.05))
+    rank3 = c.ranks[3]
+    assert rank3.local_ms_a == pytest.approx(9.5) and rank3.local_ms_b == pytest.approx(11.5)
+    assert rank3.straggler_b and not rank3.straggler_a
+    assert c.ranks[0].change_pct == pytest.approx(0.0)
+    assert c.regressed(10.0) and not c.regressed(25.0)
+
+
+def test_findings_that_appeared_and_disappeared(pair):
+    c = compare_runs(load_run(pair[0]), load_run(pair[1]))
+    appeared = {f.key for f in c.appeared}
+    disappeared = {f.key for f in c.disappeared}
+    assert ("DIST.STRAGGLER", (3,)) in appeared
+    assert ("TEST.MOVED", (2,)) in appeared and ("TEST.MOVED", (1,)) in disappeared
+    assert ("TEST.GONE", ()) in disappeared
+    assert ("TEST.KEPT", ()) in {f.key for f in c.unchanged}
+    assert not appeared & disappeared
+
+
+def test_fail_on_regression_exit_codes(pair, capsys):
+    a, b = map(str, pair)
+    assert main(["compare", a, b, "--fail-on-regression", "10"]) == 1
+    assert "+20.0%" in capsys.readouterr().err
+    assert main(["compare", a, b, "--fail-on-regression", "25"]) == 0
+    assert main(["compare", b, a, "--fail-on-regression", "0"]) == 0  # B -> A is a speed-up
+
+
+def test_json_output(pair, capsys):
+    assert main(["compare", *map(str, pair), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["timing"]["median_ms"]["change_pct"] == pytest.approx(20.0)
+    assert [r["rank"] for r in data["per_rank"]] == [0, 1, 2, 3]
+    assert "DIST.STRAGGLER" in {f["code"] for f in data["findings"]["appeared"]}
+    assert set(data["timing"]["phases"]) == {"data", "forward", "backward", "comm", "optimizer", "other"}
+
+
+def test_render_shows_change_and_findings(pair):
+    from rich.console import Console
+
+    console = Console(file=io.StringIO(), width=120, color_system=None)
+    console.print(render_comparison(compare_runs(load_run(pair[0]), load_run(pair[1]))))
+    text = console.file.getvalue()
+    assert "+20.0%" in text and "straggler now" in text
+    assert "appeared:" in text and "disappeared:" in text and "DIST.STRAGGLER ranks 3" in text
+
+
+@pytest.mark.parametrize("make", ["missing", "junk"])
+def test_bad_input_exits_2_with_one_line(pair, tmp_path, capsys, make):
+    bad = tmp_path / "bad"
+    if make == "junk":
+        bad.mkdir()
+        (bad / "x.bin").write_bytes(b"\x00\x01")
+    rc = main(["compare", str(pair[0]), str(bad)])
+    err = capsys.readouterr().err
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_bad_threshold_exits_2(pair, capsys):
+    assert main(["compare", *map(str, pair), "--fail-on-regression", "-3"]) == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
