@@ -1,0 +1,351 @@
+"""Does the diagnosis find a slow rank, how soon, and does it stay quiet on healthy jobs and flat losses?
+
+**Noise model** (simulated ranks), taken from real CPU runs in shared/MEASUREMENTS.md:
+
+* local work per rank and step = 9.5 ms (item 10: healthy 2-rank Lightning local work 9.6 / 9.4 ms)
+  x a per-rank fixed offset, lognormal sigma 0.012 (those two healthy medians differ by 2%)
+  x a per-step factor shared by all ranks, lognormal sigma 0.03 (machine-wide jitter)
+  x a per-rank per-step factor, lognormal sigma 0.04 (item 3: healthy runs have one rank ahead in 33-65% of
+  steps with medians up to ~0.2 ms apart, which needs a per-step difference sd of ~0.5 ms)
+  x a spike factor: with probability 1% a step of a rank takes 1.2-2x (GC, scheduler).
+* exposed communication = transfer 2.0 ms (item 10: healthy blocked 2.0 / 2.0 ms), lognormal sigma 0.1,
+  + the wait for the slowest rank of the step; so every rank's wall is the slowest local work + transfer.
+* local work is split into data 5%, forward 30%, backward 50%, optimizer 10%, other 5%.
+
+A straggler multiplies one random rank's local work by 1.02, 1.05, 1.10 or 1.20 among 4, 8 and 64 ranks. For
+each seed the run is diagnosed on growing prefixes (every 25 steps up to 1,000, warm-up 5); "steps to
+detection" is the first prefix where `DIST.STRAGGLER` names the slow rank. A finding that names another rank
+counts as a misnamed detection. Healthy runs (no slowdown, 50 seeds per size) are diagnosed on every prefix
+(what a live user sees) and at the end; any `DIST.STRAGGLER` there is false.
+
+**Flat losses**: 1,000 curves of 500 steps at level 2.0 with Gaussian noise (sd 5%) and 1% upward spikes
+(x1.5); one more family with AR(1) noise (phi 0.5). Called worsening = convergence trend "worsening" or a
+`CONVERGENCE.NO_PROGRESS` finding of HIGH severity (its "getting worse" form).
+
+**Real gloo runs**: 2 spawned processes train a small DDP MLP under `Scope`; rank 1 busy-waits every step
+for the slowdown x its own plain step time (measured before training, same on both ranks); the run
+directory is then diagnosed on growing prefixes like the simulations.
+
+Budgets (SPEC 9): 10% among 4 found within 200 steps; no false straggler; under 1% false worsening.
+Slowdowns below the straggler rule's 4.5% excess floor (analysis/distributed.py) are not reported by design.
+`--quick` runs a smoke size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+LOCAL_MS = 9.5
+RANK_SIGMA = 0.012
+SHARED_SIGMA = 0.03
+STEP_SIGMA = 0.04
+SPIKE_P = 0.01
+TRANSFER_MS = 2.0
+TRANSFER_SIGMA = 0.1
+SPLIT = np.array([0.05, 0.30, 0.50, 0.0, 0.10, 0.05])  # data, forward, backward, (comm), optimizer, other
+COMM = 3
+WARMUP = 5
+
+
+@dataclass
+class Detection:
+    ranks: int
+    slowdown: float
+    seeds: int
+    found_by_200: int = 0
+    found: int = 0
+    misnamed: int = 0
+    steps_to_detect: list[int] | None = None
+
+
+def simulate(steps: int, ranks: int, slowdown: float, slow_rank: int, rng: np.random.Generator) -> np.ndarray:
+    """(steps, ranks, 6) float32 phases in ms under the noise model in the module docstring."""
+    offset = np.exp(RANK_SIGMA * rng.standard_normal(ranks))
+    shared = np.exp(SHARED_SIGMA * rng.standard_normal((steps, 1)))
+    own = np.exp(STEP_SIGMA * rng.standard_normal((steps, ranks)))
+    spikes = np.where(rng.random((steps, ranks)) < SPIKE_P, rng.uniform(1.2, 2.0, (steps, ranks)), 1.0)
+    local = LOCAL_MS * offset * shared * own * spikes
+    local[:, slow_rank] *= 1.0 + slowdown
+    transfer = TRANSFER_MS * np.exp(TRANSFER_SIGMA * rng.standard_normal((steps, 1)))
+    comm = transfer + (local.max(axis=1, keepdims=True) - local)
+    phases = local[:, :, None] * SPLIT
+    phases[:, :, COMM] = comm
+    return phases.astype(np.float32)
+
+
+def straggler_ranks(phases: np.ndarray, loss: np.ndarray | None = None) -> tuple[int, ...] | None:
+    """The ranks DIST.STRAGGLER names for these phases, or None when it does not fire."""
+    from pytscope_core.analysis import diagnose
+    from pytscope_core.arrays import RunArrays
+    from pytscope_core.context import RunContext
+
+    arrays = RunArrays.from_arrays(phases, loss=loss, warmup=WARMUP)
+    for f in diagnose(arrays, RunContext(world_size=phases.shape[1], warmup=WARMUP)):
+        if f.code == "DIST.STRAGGLER":
+            return f.ranks
+    return None
+
+
+def first_detection(phases: np.ndarray, slow_rank: int, every: int) -> tuple[int | None, bool]:
+    """(first prefix length naming `slow_rank`, whether another rank was named before that)."""
+    misnamed = False
+    for n in range(every, phases.shape[0] + 1, every):
+        named = straggler_ranks(phases[:n])
+        if named is None:
+            continue
+        if slow_rank in named and len(named) == 1:
+            return n, misnamed
+        misnamed = True
+    return None, misnamed
+
+
+def detection_sweep(
+    sizes: list[int], slowdowns: list[float], seeds: int, steps: int, every: int
+) -> list[Detection]:
+    out = []
+    for ranks in sizes:
+        for slowdown in slowdowns:
+            d = Detection(ranks, slowdown, seeds, steps_to_detect=[])
+            for seed in range(seeds):
+                rng = np.random.default_rng([ranks, int(slowdown * 1000), seed])
+                slow_rank = int(rng.integers(ranks))
+                n, misnamed = first_detection(
+                    simulate(steps, ranks, slowdown, slow_rank, rng), slow_rank, every
+                )
+                d.misnamed += misnamed
+                if n is not None:
+                    d.found += 1
+                    d.found_by_200 += n <= 200
+                    assert d.steps_to_detect is not None
+                    d.steps_to_detect.append(n)
+            out.append(d)
+            print(f"  {ranks:3d} ranks, +{100 * slowdown:4.0f}%: {_detection_text(d)}", flush=True)
+    return out
+
+
+def _detection_text(d: Detection) -> str:
+    steps = d.steps_to_detect or []
+    med = f"median {statistics.median(steps):.0f} steps" if steps else "never"
+    return f"found {d.found}/{d.seeds} (by step 200: {d.found_by_200}/{d.seeds}), {med} to detection" + (
+        f", another rank named first in {d.misnamed}" if d.misnamed else ""
+    )
+
+
+def false_stragglers(sizes: list[int], seeds: int, steps: int, every: int) -> dict[int, tuple[int, int]]:
+    """Per size: (healthy seeds flagged at the end, healthy seeds flagged on any prefix)."""
+    out = {}
+    for ranks in sizes:
+        at_end = any_prefix = 0
+        for seed in range(seeds):
+            rng = np.random.default_rng([ranks, 7777, seed])
+            phases = simulate(steps, ranks, 0.0, 0, rng)
+            at_end += straggler_ranks(phases) is not None
+            any_prefix += any(straggler_ranks(phases[:n]) is not None for n in range(every, steps + 1, every))
+        out[ranks] = (at_end, any_prefix)
+        print(
+            f"  {ranks:3d} ranks healthy: false DIST.STRAGGLER at the end {at_end}/{seeds}, on any prefix {any_prefix}/{seeds}",
+            flush=True,
+        )
+    return out
+
+
+def false_worsening(curves: int, steps: int, phi: float) -> int:
+    from pytscope_core.analysis import analyze, run_rules
+    from pytscope_core.arrays import RunArrays
+    from pytscope_core.context import RunContext
+    from pytscope_core.findings import Severity
+
+    worse = 0
+    rng = np.random.default_rng([4242, int(phi * 100)])
+    phases = simulate(steps, 2, 0.0, 0, rng)
+    for _ in range(curves):
+        e = rng.standard_normal(steps)
+        if phi:
+            for i in range(1, steps):
+                e[i] += phi * e[i - 1]
+            e *= np.sqrt(1 - phi**2)  # keep the marginal sd at 5%
+        loss = 2.0 * (1 + 0.05 * e)
+        loss *= np.where(rng.random(steps) < SPIKE_P, 1.5, 1.0)
+        a = analyze(
+            RunArrays.from_arrays(phases, loss=loss, warmup=WARMUP), RunContext(world_size=2, warmup=WARMUP)
+        )
+        high = any(f.code == "CONVERGENCE.NO_PROGRESS" and f.severity == Severity.HIGH for f in run_rules(a))
+        worse += a.convergence.trend.trend == "worsening" or high
+    return worse
+
+
+# -- real 2-rank gloo runs --------------------------------------------------------------------------------------
+
+
+def _spin(ms: float) -> None:
+    end = time.perf_counter() + ms / 1e3
+    while time.perf_counter() < end:
+        pass
+
+
+def _gloo_worker(rank: int, world: int, port: int, slowdown: float, steps: int, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from pytscope_core.scope import Scope
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            torch.nn.Linear(64, 256),
+            torch.nn.ReLU(),
+            torch.nn.Linear(256, 256),
+            torch.nn.ReLU(),
+            torch.nn.Linear(256, 10),
+        )
+        gen = torch.Generator().manual_seed(rank)
+        batches = [
+            (torch.randn(256, 64, generator=gen), torch.randint(0, 10, (256,), generator=gen))
+            for _ in range(16)
+        ]
+        # This rank's own plain step time, before DDP: the busy-wait is a share of it.
+        plain_opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        times = []
+        for x, y in batches * 2:
+            t0 = time.perf_counter()
+            F.cross_entropy(model(x), y).backward()
+            plain_opt.step()
+            plain_opt.zero_grad()
+            times.append((time.perf_counter() - t0) * 1e3)
+        spin_ms = slowdown * statistics.median(times[5:]) if rank == world - 1 else 0.0
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+        loader = [batches[i % len(batches)] for i in range(steps)]
+        scope = Scope(Path(out) / "run", interval=50, console=False)
+        scope.watch(ddp, opt)
+        for x, y in loader:
+            if spin_ms:
+                _spin(spin_ms)
+            loss = F.cross_entropy(ddp(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            scope.log(loss=loss)
+        scope.finish()
+        (Path(out) / f"rank{rank}.json").write_text(json.dumps({"spin_ms": spin_ms, "errors": scope.errors}))
+    finally:
+        dist.destroy_process_group()
+
+
+def gloo_run(slowdown: float, steps: int, every: int, tmp: Path) -> dict[str, Any]:
+    import torch.multiprocessing as mp
+
+    from pytscope_core.demo import free_port
+    from pytscope_core.rundir import load_run
+
+    out = tmp / f"gloo-{int(slowdown * 100)}"
+    out.mkdir(parents=True)
+    mp.start_processes(
+        _gloo_worker,
+        args=(2, free_port(), slowdown, steps, str(out)),
+        nprocs=2,
+        start_method="spawn",
+        join=True,
+    )
+    info = json.loads((out / "rank1.json").read_text())
+    run = load_run(out / "run")
+    phases = run.arrays.phases
+    local = run.arrays.local_ms[run.arrays.counted]
+    first, misnamed = first_detection(phases, 1, every)
+    return {
+        "slowdown": slowdown,
+        "spin_ms": info["spin_ms"],
+        "local_ms": [float(np.nanmedian(local[:, r])) for r in range(local.shape[1])],
+        "named_at_end": straggler_ranks(phases),
+        "first": first,
+        "misnamed": misnamed,
+        "errors": info["errors"],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="smoke size")
+    parser.add_argument("--seeds", type=int, default=None, help="seeds per (ranks, slowdown)")
+    parser.add_argument("--no-gloo", action="store_true", help="skip the real 2-rank runs")
+    args = parser.parse_args(argv)
+    q = args.quick
+    sizes = [4, 8] if q else [4, 8, 64]
+    slowdowns = [0.10] if q else [0.02, 0.05, 0.10, 0.20]
+    seeds = args.seeds or (3 if q else 20)
+    steps, every = (200, 25) if q else (1000, 25)
+    healthy_seeds = 5 if q else 50
+    curves = 50 if q else 1000
+
+    print(
+        f"noise model: local {LOCAL_MS} ms x rank offset (sigma {RANK_SIGMA}) x shared (sigma {SHARED_SIGMA}) x own "
+        f"(sigma {STEP_SIGMA}) x spikes (p {SPIKE_P}, 1.2-2x); transfer {TRANSFER_MS} ms (sigma {TRANSFER_SIGMA})"
+    )
+    print(f"straggler detection: {seeds} seeds, diagnosed every {every} steps up to {steps}")
+    t0 = time.perf_counter()
+    results = detection_sweep(sizes, slowdowns, seeds, steps, every)
+    print(f"false stragglers: {healthy_seeds} healthy seeds per size, {steps} steps")
+    false = false_stragglers(sizes, healthy_seeds, steps, every)
+    print(f"flat noisy losses: {curves} curves of 500 steps per family")
+    worse_iid = false_worsening(curves, 500, 0.0)
+    worse_ar = false_worsening(curves, 500, 0.5)
+    print(
+        f"  called worsening: iid {worse_iid}/{curves} ({100 * worse_iid / curves:.1f}%), AR(1) 0.5 {worse_ar}/{curves} ({100 * worse_ar / curves:.1f}%)"
+    )
+    print(f"  (simulations took {time.perf_counter() - t0:.1f} s)")
+
+    gloo: list[dict[str, Any]] = []
+    if not args.no_gloo:
+        print("real 2-rank gloo runs (rank 1 busy-waits slowdown x its plain step time)")
+        with tempfile.TemporaryDirectory(prefix="pytscope-detect-") as tmp:
+            for slowdown in [0.10] if q else [0.0, 0.02, 0.05, 0.10, 0.20]:
+                r = gloo_run(slowdown, 150 if q else 400, every, Path(tmp))
+                gloo.append(r)
+                local = " / ".join(f"{v:.2f}" for v in r["local_ms"])
+                print(
+                    f"  +{100 * slowdown:3.0f}% (spin {r['spin_ms']:.2f} ms): local work {local} ms; "
+                    f"DIST.STRAGGLER at the end names {list(r['named_at_end']) if r['named_at_end'] else 'nobody'}; "
+                    f"first named rank 1 at step {r['first']}"
+                    + (f"; errors {r['errors']}" if r["errors"] else ""),
+                    flush=True,
+                )
+
+    print()
+    print("verdicts")
+    ten4 = next((d for d in results if d.ranks == 4 and d.slowdown == 0.10), None)
+    if ten4 is not None:
+        ok = ten4.found_by_200 == ten4.seeds and not ten4.misnamed
+        print(
+            f"  10% among 4 found within 200 steps: {ten4.found_by_200}/{ten4.seeds} seeds: {'met' if ok else 'MISSED'}"
+        )
+    total_false = sum(v[1] for v in false.values())
+    print(
+        f"  no false DIST.STRAGGLER (any prefix, all sizes): {total_false} false: {'met' if total_false == 0 else 'MISSED'}"
+    )
+    print(
+        f"  under 1% false worsening (iid): {100 * worse_iid / curves:.1f}%: {'met' if worse_iid < 0.01 * curves else 'MISSED'}"
+    )
+    for r in gloo:
+        if r["slowdown"] == 0.10:
+            ok = r["named_at_end"] == (1,) and r["first"] is not None and r["first"] <= 200
+            print(f"  real gloo 10%: rank 1 named by step {r['first']}: {'met' if ok else 'MISSED'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
