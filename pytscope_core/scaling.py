@@ -201,7 +201,7 @@ def _batch_contract(worlds: list[int], per_rank: list[float | None], weak: bool)
     finite = [x for x in sizes if math.isfinite(x)]
     if len(finite) < 2 or (max(finite) - min(finite)) <= BATCH_MISMATCH_TOLERANCE * max(finite):
         return []
-    listed = ", ".join(f"{w} workers: {x:g}" for w, x in zip(worlds, sizes, strict=True))
+    listed = ", ".join(f"{w} worker{'s' if w > 1 else ''}: {x:g}" for w, x in zip(worlds, sizes, strict=True))
     if weak:
         return [f"per-rank batch differs between runs ({listed}); weak scaling needs the same per-rank batch"]
     return [
@@ -221,13 +221,10 @@ def render_scaling(s: Scaling) -> RenderableType:
     from rich.table import Table
     from rich.text import Text
 
-    table = Table(box=None, pad_edge=False)
-    headers = ["workers", f"throughput ({s.unit})", "speedup", "efficiency", "step ms"]
-    headers += ["compute", "comm", "sync wait", "data"]
+    headers = ["workers", s.unit, "speedup", "effic.", "step ms", "compute", "comm", "wait", "data"]
     if s.target_loss is not None:
-        headers += ["s to target", "worker-s to target"]
-    for name in headers:
-        table.add_column(name, justify="right")
+        headers += ["to target s", "worker-s"]
+    rows = []
     for p in s.points:
         compute = p.phase_shares.get("forward", math.nan) + p.phase_shares.get("backward", math.nan)
         row = [
@@ -243,6 +240,12 @@ def render_scaling(s: Scaling) -> RenderableType:
         ]
         if s.target_loss is not None:
             row += [_fmt(p.seconds_to_target, ".1f"), _fmt(p.worker_seconds_to_target, ".1f")]
+        rows.append(row)
+    # Numbers never shrink below their width (an ellipsis would hide them); narrow terminals wrap headers instead.
+    table = Table(box=None, pad_edge=False, padding=(0, 0, 0, 1))
+    for i, name in enumerate(headers):
+        table.add_column(name, justify="right", min_width=max((len(r[i]) for r in rows), default=1))
+    for row in rows:
         table.add_row(*row)
     base = (
         "the 1-worker run"
@@ -253,14 +256,18 @@ def render_scaling(s: Scaling) -> RenderableType:
         Text("Scaling", style="bold underline"),
         table,
         Text(
-            f"speedup = T_W / T_base, efficiency = T_W / ((W / W_base) x T_base), base: {base}; "
-            "comm, sync wait and data are shares of step wall",
+            f"throughput in {s.unit}; speedup = T_W / T_base, efficiency = T_W / ((W / W_base) x T_base), base: {base}; compute "
+            "(forward + backward), comm (exposed), wait (sync wait inside comm) and data are shares of step wall",
             style="dim",
         ),
     ]
     if s.target_loss is not None:
         parts.append(
-            Text(f"target loss {s.target_loss:g}: time is the sum of step walls up to it", style="dim")
+            Text(
+                f"target loss {s.target_loss:g}: seconds are the sum of step walls up to the first step at or "
+                "below it; worker-s = seconds x workers",
+                style="dim",
+            )
         )
     parts.extend(Text(f"warning: {w}", style="yellow") for w in s.warnings)
     return Group(*parts)
