@@ -27,6 +27,7 @@ import tempfile
 import time
 import tracemalloc
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -71,7 +72,7 @@ def diagnose_at_scale(ranks: int, steps: int, repeat: int) -> tuple[float, float
     arrays = RunArrays.from_arrays(synthetic_phases(steps, ranks), loss=synthetic_loss(steps), warmup=5)
     ctx = RunContext(world_size=ranks)
     t_summary, t_diag = [], []
-    findings: list[object] = []
+    findings: list[Any] = []
     for _ in range(repeat):
         t0 = time.perf_counter()
         findings = diagnose(arrays, ctx)
@@ -82,11 +83,11 @@ def diagnose_at_scale(ranks: int, steps: int, repeat: int) -> tuple[float, float
         del summary
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
-    codes = sorted({f.code for f in findings})  # type: ignore[attr-defined]
-    straggler = [f for f in findings if f.code == "DIST.STRAGGLER"]  # type: ignore[attr-defined]
+    codes = sorted({f.code for f in findings})
+    straggler = [f for f in findings if f.code == "DIST.STRAGGLER"]
     print(f"  findings: {', '.join(codes) or 'none'}")
     if straggler:
-        print(f"  DIST.STRAGGLER names rank(s) {list(straggler[0].ranks)} (injected: rank {ranks - 1})")  # type: ignore[attr-defined]
+        print(f"  DIST.STRAGGLER names rank(s) {list(straggler[0].ranks)} (injected: rank {ranks - 1})")
     return statistics.median(t_summary), statistics.median(t_diag), peak / 2**20, len(findings)
 
 
