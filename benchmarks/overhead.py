@@ -229,6 +229,8 @@ def _scope_callback(run_dir: Path) -> Any:
 def lightning_block(cfg: Config, steps: int, with_scope: bool, run_dir: Path) -> list[float]:
     import lightning.pytorch as pl
 
+    for name in ("lightning.pytorch", "lightning.fabric", "lightning_fabric"):
+        logging.getLogger(name).setLevel(logging.ERROR)  # Lightning resets its loggers' levels on import
     times: list[float] = []
 
     class StepTimer(pl.Callback):
