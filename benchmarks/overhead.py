@@ -268,6 +268,7 @@ PATHS: dict[str, Callable[[Config, int, bool, Path], list[float]]] = {
     "Lightning ScopeCallback": lightning_block,
     "AccelerateScope": accelerate_block,
 }
+PATH_KEYS = {"torch Scope": "torch", "Lightning ScopeCallback": "lightning", "AccelerateScope": "accelerate"}
 IMPORTS = {
     "torch Scope": ("pytscope_core.scope", "Scope"),
     "Lightning ScopeCallback": ("pytscope_lightning", "ScopeCallback"),
@@ -546,7 +547,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="pytscope-bench-") as tmpname:
         tmp = Path(tmpname)
         for path in PATHS:
-            if path.split()[0].lower() not in wanted:
+            if PATH_KEYS[path] not in wanted:
                 continue
             try:
                 module_name, attr = IMPORTS[path]
