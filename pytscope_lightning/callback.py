@@ -1,0 +1,238 @@
+"""`ScopeCallback`: Lightning's training-loop events translated into pytscope core calls.
+
+Lightning runs `training_step` and backward inside the torch optimizer's `step(closure)`, so the optimizer's
+pre-hook would fire before the forward; the callback therefore marks the phases from Lightning's own hooks
+in their real order: the wait for a batch ends at `on_train_batch_start`, the forward ends and backward's
+timing hook goes onto the loss in `on_before_backward`, the optimizer starts at `on_before_optimizer_step`
+and ends at the torch optimizer's post-hook, and the next loop top starts at the end of `on_train_batch_end`.
+Validation, checkpoint saving and epoch boundaries are paused, so they are not charged to a step. All the
+logic (recording, gathers, diagnosis, the run directory, the summary) lives in `pytscope_core.Scope`; every
+hook here is a few lines, and an exception in any of them disables the scope, never the fit.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+try:
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import Callback
+    from lightning.pytorch.utilities import rank_zero_warn
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError("pytscope_lightning needs Lightning: pip install 'pytscope[lightning]'") from exc
+
+from pytscope_core.scope import Scope
+from pytscope_core.shards import uneven_shards_finding
+from pytscope_core.timeline import Mark
+
+
+def _guarded(hook: Callable[..., None]) -> Callable[..., None]:
+    """Lightning's hook, run only while a scope exists and given that scope as its first argument; its
+    exceptions go to the scope's failure path (one message, scope disabled), never to the fit."""
+
+    @functools.wraps(hook)
+    def wrapper(self: ScopeCallback, *args: Any, **kwargs: Any) -> None:
+        scope = self.scope
+        if scope is None:
+            return
+        try:
+            hook(self, scope, *args, **kwargs)
+        except Exception as exc:
+            scope._fail(exc)
+
+    return wrapper
+
+
+class ScopeCallback(Callback):
+    """Why a Lightning fit is slow or unhealthy, on every rank, live and at the end.
+
+    `Trainer(callbacks=[ScopeCallback(run_dir="runs/exp1")])`, then `pytscope report runs/exp1`. Options mean
+    what they mean on `pytscope_core.Scope`. After the fit, `callback.scope.summary` holds rank 0's summary.
+    """
+
+    def __init__(
+        self,
+        run_dir: str | None = None,
+        *,
+        interval: int = 50,
+        warmup: int = 5,
+        hang_timeout: float | None | str = "auto",
+        on_hang: str = "abort",
+        console: bool = True,
+    ) -> None:
+        self._options: dict[str, Any] = dict(
+            run_dir=run_dir,
+            interval=interval,
+            warmup=warmup,
+            hang_timeout=hang_timeout,
+            on_hang=on_hang,
+            console=console,
+        )
+        Scope(**self._options)  # bad options fail here, in the user's process, not later inside every worker
+        self.scope: Scope | None = None
+        self._ddp: Any = None  # the strategy's DistributedDataParallel, when there is one
+        self._restored: dict[str, Any] | None = None
+
+    # -- pickling (ddp_spawn) and checkpoints -------------------------------------------------------------
+    def __getstate__(self) -> dict[str, Any]:
+        # The scope holds hooks, files and a process group: each process builds its own in setup().
+        return {**self.__dict__, "scope": None, "_ddp": None}
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.scope.state_dict() if self.scope is not None else {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._restored = dict(state_dict)
+        if self.scope is not None and self._restored:
+            self.scope.load_state_dict(self._restored)
+
+    # -- fit start and end --------------------------------------------------------------------------------
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit" and self.scope is None:
+            self.scope = Scope(**self._options, integration="lightning")
+            if self._restored:
+                self.scope.load_state_dict(self._restored)
+
+    @_guarded
+    def on_train_start(self, scope: Scope, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        scope.start()  # collective: every rank is here, after the strategy set up the process group
+        self._watch(scope, trainer, pl_module)
+        _time_sigterm_broadcast(scope, trainer)
+        self._check_shards(scope, trainer)
+        scope.data_begin()
+
+    @_guarded
+    def on_train_end(self, scope: Scope, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Here, not in on_fit_end: the final gather is collective and must run before DDP's teardown.
+        trainer.fit_loop.epoch_loop.__dict__.pop("_broadcast_sigterm_tensor", None)
+        scope.finish()
+
+    # -- one step -----------------------------------------------------------------------------------------
+    @_guarded
+    def on_train_batch_start(
+        self, scope: Scope, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        scope.resume()  # ends a checkpoint or epoch-boundary pause; a no-op on the timeline otherwise
+        scope.data_end(batch)
+        scope.forward_begin()
+
+    @_guarded
+    def on_before_backward(
+        self, scope: Scope, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Any
+    ) -> None:
+        # Lightning enters DDP's no_sync() for accumulation micro-batches: those backwards do not all-reduce.
+        scope.forward_end(
+            loss, grad_sync=self._ddp is not None and bool(self._ddp.require_backward_grad_sync)
+        )
+
+    @_guarded
+    def on_before_optimizer_step(
+        self, scope: Scope, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
+    ) -> None:
+        scope.optimizer_begin()
+
+    @_guarded
+    def on_train_batch_end(
+        self,
+        scope: Scope,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        scope.log(loss=_loss_of(outputs, trainer, pl_module))
+        scope.data_begin()  # loop top: what follows until the next batch arrives is the wait for data
+
+    # -- time that is not a training step -----------------------------------------------------------------
+    @_guarded
+    def on_validation_start(self, scope: Scope, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        scope.pause()
+
+    @_guarded
+    def on_validation_end(self, scope: Scope, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        scope.resume()
+
+    @_guarded
+    def on_save_checkpoint(
+        self, scope: Scope, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        # Lightning has no hook after the file is written; the pause ends at the next batch instead.
+        scope.pause()
+
+    @_guarded
+    def on_train_epoch_end(self, scope: Scope, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Epoch-end hooks and the next epoch's loader start-up are not part of any step.
+        scope.pause()
+
+    # -- helpers ------------------------------------------------------------------------------------------
+    def _watch(self, scope: Scope, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        import torch
+
+        if pl_module.device.type == "cuda":
+            scope.use_cuda_clock()
+        # No optimizer pre-hook: Lightning calls step(closure) before the forward even starts.
+        scope.watch(optimizer=list(trainer.optimizers), optimizer_pre_hook=False, manual_data=True)
+        scope.metrics_sink = functools.partial(_log_metrics, trainer)
+        model = trainer.strategy.model
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            self._ddp = model
+            scope.watch_replicas(model)
+        elif trainer.world_size > 1:
+            rank_zero_warn(
+                f"pytscope: {type(trainer.strategy).__name__} is not DistributedDataParallel; data, forward, "
+                "backward and optimizer are recorded, but exposed gradient communication, gradient-sync counts "
+                "and the replica check are not measured for it."
+            )
+
+    def _check_shards(self, scope: Scope, trainer: pl.Trainer) -> None:
+        batches = trainer.num_training_batches
+        every_rank = scope.all_gather_ints([int(batches) if math.isfinite(batches) else -1])  # collective
+        finding = uneven_shards_finding([r[0] for r in every_rank]) if every_rank is not None else None
+        if finding is not None:
+            scope.add_finding(finding)
+
+
+def _time_sigterm_broadcast(scope: Scope, trainer: pl.Trainer) -> None:
+    """Keep Lightning's per-step SIGTERM broadcast out of the wait for data: it is loop overhead (`other`).
+
+    When distributed, Lightning broadcasts a flag from rank 0 at the top of every training batch, on the
+    training's process group: 0.5-2 ms per step on CPU/gloo (measured here), right before the batch is
+    fetched. Left in `data` it reads as an input-bound job; it is not gradient communication either (SPEC:
+    `comm` is backward's wait for the all-reduce). The data wait is therefore closed around it. A wait there
+    for a rank still busy after its optimizer step counts as the waiting rank's own work (a limit of hooks).
+    Lightning versions without this method are left alone.
+    """
+    loop = trainer.fit_loop.epoch_loop
+    original = getattr(loop, "_broadcast_sigterm_tensor", None)
+    if original is None or trainer.world_size < 2:
+        return
+    mark = scope.recorder.mark
+
+    def timed() -> None:
+        mark(Mark.DATA_END)
+        try:
+            original()
+        finally:
+            mark(Mark.DATA_BEGIN)
+
+    loop._broadcast_sigterm_tensor = timed  # this loop instance only; removed at on_train_end
+
+
+def _loss_of(outputs: Any, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Any:
+    """The training step's loss as the user computed it, still on its device (no sync here)."""
+    loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
+    if loss is None or not hasattr(loss, "detach"):
+        return None
+    if pl_module.automatic_optimization and trainer.accumulate_grad_batches > 1:
+        # Lightning hands back the loss divided by the accumulation factor; undo it so runs compare.
+        return loss.detach() * trainer.accumulate_grad_batches
+    return loss
+
+
+def _log_metrics(trainer: pl.Trainer, metrics: dict[str, float], step: int) -> None:
+    for logger in trainer.loggers:
+        logger.log_metrics(metrics, step=trainer.global_step)

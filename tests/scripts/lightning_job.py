@@ -1,0 +1,142 @@
+"""A small Lightning fit with ScopeCallback, run as its own process by tests/test_lightning.py.
+
+Lightning's `ddp` strategy launches the other ranks by re-running this script, which is why the tests run it
+with `subprocess` instead of building the Trainer inside pytest. Flags switch on the situations the tests
+check (a busy-waiting rank, uneven shards, a user comm hook, accumulation, checkpoints and resume); rank 0
+writes what the trainer saw to `--result` so the tests can compare it with the run directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.strategies import DDPStrategy
+from torch.utils.data import DataLoader, TensorDataset
+
+from pytscope_lightning import ScopeCallback
+
+
+def spin(ms: float) -> None:
+    end = time.perf_counter() + ms / 1e3
+    while time.perf_counter() < end:
+        pass
+
+
+class Job(pl.LightningModule):
+    def __init__(self, args: argparse.Namespace) -> None:
+        super().__init__()
+        self.args = args
+        hidden = [
+            m for _ in range(args.depth) for m in (torch.nn.Linear(args.width, args.width), torch.nn.ReLU())
+        ]
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(32, args.width), torch.nn.ReLU(), *hidden, torch.nn.Linear(args.width, 8)
+        )
+        gen = torch.Generator().manual_seed(0)
+        self.teacher = torch.randn(32, 8, generator=gen)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> Any:
+        x, y = batch
+        if self.args.spin_ms and self.global_rank == self.trainer.world_size - 1:
+            spin(self.args.spin_ms)
+        loss = F.cross_entropy(self.net(x), y)
+        return {"loss": loss} if self.args.dict_output else loss
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", F.cross_entropy(self.net(x), y), sync_dist=True)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+    def _data(self, samples: int, seed: int) -> TensorDataset:
+        x = torch.randn(samples, 32, generator=torch.Generator().manual_seed(seed))
+        return TensorDataset(x, (x @ self.teacher).argmax(dim=1))
+
+    def train_dataloader(self) -> DataLoader:
+        rank, world = self.trainer.global_rank, self.trainer.world_size
+        batches = self.args.batches_per_epoch
+        if self.args.uneven:
+            # use_distributed_sampler=False: each rank builds its own shard, the last one a batch longer.
+            batches += 1 if rank == world - 1 else 0
+            return DataLoader(
+                self._data(batches * self.args.batch, seed=rank + 1), batch_size=self.args.batch, shuffle=True
+            )
+        return DataLoader(
+            self._data(batches * self.args.batch * world, seed=1), batch_size=self.args.batch, shuffle=True
+        )
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self._data(4 * self.args.batch, seed=99), batch_size=self.args.batch)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--run-dir", required=True)
+    p.add_argument("--devices", type=int, default=1)
+    p.add_argument("--strategy", default="auto", choices=["auto", "ddp", "ddp_spawn"])
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--interval", type=int, default=50)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--width", type=int, default=128)
+    p.add_argument("--depth", type=int, default=0, help="hidden width x width layers (compute per sample)")
+    p.add_argument("--batches-per-epoch", type=int, default=1000)
+    p.add_argument(
+        "--spin-ms", type=float, default=0.0, help="busy-wait on the last rank in every training_step"
+    )
+    p.add_argument("--uneven", action="store_true")
+    p.add_argument("--accumulate", type=int, default=1)
+    p.add_argument("--comm-hook", choices=["fp16"], default=None)
+    p.add_argument("--val-every", type=int, default=0, help="validate every N batches (0: never)")
+    p.add_argument("--ckpt-dir", default=None)
+    p.add_argument("--ckpt-every", type=int, default=0)
+    p.add_argument("--ckpt-path", default=None, help="resume from this checkpoint")
+    p.add_argument("--csv-dir", default=None)
+    p.add_argument("--dict-output", action="store_true")
+    p.add_argument("--result", default=None)
+    args = p.parse_args()
+
+    torch.set_num_threads(1)
+    strategy: Any = args.strategy
+    if args.comm_hook == "fp16":
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        strategy = DDPStrategy(ddp_comm_hook=default_hooks.fp16_compress_hook)
+    callbacks: list[Any] = [ScopeCallback(run_dir=args.run_dir, interval=args.interval, console=True)]
+    if args.ckpt_every:
+        callbacks.append(
+            ModelCheckpoint(dirpath=args.ckpt_dir, every_n_train_steps=args.ckpt_every, save_top_k=-1)
+        )
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=args.devices,
+        strategy=strategy,
+        max_steps=args.steps,
+        accumulate_grad_batches=args.accumulate,
+        callbacks=callbacks,
+        logger=CSVLogger(args.csv_dir, name="", version="") if args.csv_dir else False,
+        log_every_n_steps=10,
+        enable_checkpointing=bool(args.ckpt_every),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=not args.uneven,
+        val_check_interval=args.val_every or None,
+        limit_val_batches=2 if args.val_every else 0,
+        num_sanity_val_steps=0,
+    )
+    trainer.fit(Job(args), ckpt_path=args.ckpt_path)
+    if args.result and trainer.is_global_zero:
+        with open(args.result, "w") as f:
+            json.dump({"global_step": trainer.global_step, "world_size": trainer.world_size}, f)
+
+
+if __name__ == "__main__":
+    main()
