@@ -177,7 +177,9 @@ def accelerate_block(cfg: Config, steps: int, with_scope: bool, run_dir: Path) -
     scope = None
     if with_scope:
         scope = AccelerateScope(accelerator, run_dir, interval=50, console=False)
-        scope.watch(model, opt, loader)
+        # Not the prepared loader: watching it fails today (DataLoaderShard's `__class__` is a read-only
+        # property, hooks.py watch_loader assigns it); the forward pre-hook is then the loop top.
+        scope.watch(model, opt)
     times: list[float] = []
     last = time.perf_counter()
     for x, y in loader:
