@@ -78,6 +78,24 @@ class Job(pl.LightningModule):
         return DataLoader(self._data(4 * self.args.batch, seed=99), batch_size=self.args.batch)
 
 
+class BreakScope(pl.Callback):
+    """Makes the scope's data mark raise from step 10 on: the fit must go on with the scope disabled."""
+
+    def __init__(self, scope_callback: ScopeCallback) -> None:
+        self.scope_callback = scope_callback
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int
+    ) -> None:
+        scope = self.scope_callback.scope
+        if trainer.global_step == 10 and scope is not None:
+            scope.hooks.data_end = _boom  # type: ignore[method-assign]
+
+
+def _boom(batch: Any) -> None:
+    raise RuntimeError("injected failure")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--run-dir", required=True)
@@ -102,6 +120,7 @@ def main() -> None:
     p.add_argument("--csv-dir", default=None)
     p.add_argument("--dict-output", action="store_true")
     p.add_argument("--result", default=None)
+    p.add_argument("--break-scope", action="store_true")
     args = p.parse_args()
 
     torch.set_num_threads(1)
@@ -111,6 +130,8 @@ def main() -> None:
 
         strategy = DDPStrategy(ddp_comm_hook=default_hooks.fp16_compress_hook)
     callbacks: list[Any] = [ScopeCallback(run_dir=args.run_dir, interval=args.interval, console=True)]
+    if args.break_scope:
+        callbacks.append(BreakScope(callbacks[0]))
     if args.ckpt_every:
         callbacks.append(
             ModelCheckpoint(dirpath=args.ckpt_dir, every_n_train_steps=args.ckpt_every, save_top_k=-1)
