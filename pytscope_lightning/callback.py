@@ -219,7 +219,7 @@ def _time_sigterm_broadcast(scope: Scope, trainer: pl.Trainer) -> None:
         finally:
             mark(Mark.DATA_BEGIN)
 
-    loop._broadcast_sigterm_tensor = timed  # this loop instance only; removed at on_train_end
+    loop._broadcast_sigterm_tensor = timed  # type: ignore[method-assign]  # this instance only; undone at train end
 
 
 def _loss_of(outputs: Any, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Any:
