@@ -103,7 +103,7 @@ class TorchHooks:
         base = type(loader)
         if getattr(base, "_pytscope_watched", False):
             return
-        loader.__class__ = _watched_class(base)
+        _set_class(loader, _watched_class(base))
         loader.__dict__["_pytscope_hooks"] = self
         self._loaders.append((loader, base))
         self.loader_watched = True
@@ -114,7 +114,7 @@ class TorchHooks:
             handle.remove()
         self._handles.clear()
         for loader, base in self._loaders:
-            loader.__class__ = base
+            _set_class(loader, base)
             loader.__dict__.pop("_pytscope_hooks", None)
         self._loaders.clear()
 
@@ -264,6 +264,11 @@ class _WatchedIterator:
 
 
 _WATCHED: dict[type, type] = {}
+
+
+def _set_class(obj: Any, cls: type) -> None:
+    # Accelerate's DataLoaderShard makes `__class__` a read-only property: use object's own descriptor.
+    object.__dict__["__class__"].__set__(obj, cls)
 
 
 def _watched_class(base: type) -> type:

@@ -28,7 +28,6 @@ import os
 import socket
 import sys
 import time
-import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -134,21 +133,23 @@ class Scope:
         """Install the hooks: forward and graph-done on `model`, step hooks on each optimizer, batch waits on
         `loader`. Integrations that see the loop themselves pass `manual_data=True` and call `data_begin()` /
         `data_end()` (and may leave `model` out and call `forward_begin()` / `forward_end()`)."""
-        if model is not None:
-            if self._clock is None and _on_cuda(model):
-                self.use_cuda_clock()
-            self._model = model
-            self.hooks.watch_model(model)
-        if optimizer is not None:
-            for opt in optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]:
-                self.hooks.watch_optimizer(opt, pre_hook=optimizer_pre_hook)
-        if loader is not None:
-            self.hooks.watch_loader(loader)
-        if manual_data:
-            self.hooks.loader_watched = True
+        try:
+            if model is not None:
+                if self._clock is None and _on_cuda(model):
+                    self.use_cuda_clock()
+                self._model = model
+                self.hooks.watch_model(model)
+            if optimizer is not None:
+                for opt in optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]:
+                    self.hooks.watch_optimizer(opt, pre_hook=optimizer_pre_hook)
+            if loader is not None:
+                self.hooks.watch_loader(loader)
+            if manual_data:
+                self.hooks.loader_watched = True
+        except Exception as exc:
+            self._fail(exc)
         if not self._atexit_registered:
-            ref = weakref.ref(self)
-            atexit.register(lambda: (s := ref()) is not None and s.finish())
+            atexit.register(self.finish)  # the summary still appears if the user forgets finish()
             self._atexit_registered = True
         return self
 
@@ -332,6 +333,8 @@ class Scope:
     def _report_hang(self, finding: Finding) -> None:
         """Called from rank 0's watchdog thread while the main thread is blocked."""
         if self._writer is not None:
+            if not isinstance(self.recorder.clock, CudaEventClock):  # events behind a hung kernel never resolve
+                self._writer.append_rows(self.recorder.drain(self.rank, self.segment, self._epoch_offset))
             self._writer.event("hang", step=self.recorder.steps_done, finding=finding.to_dict())
         if self._console is not None:
             from .render import render_findings
@@ -512,6 +515,8 @@ class Scope:
         if self._finished:
             return self.summary
         self._finished = True
+        if self._atexit_registered:
+            atexit.unregister(self.finish)
         if self._watchdog is not None:
             self._watchdog.status = "finished"
         try:

@@ -205,7 +205,7 @@ class Watchdog(threading.Thread):
             self._step_seen = (rec.steps_done, now)
         phase = self.status or (_PHASE_OF_MARK.get(Mark(marks[-1]), "other") if marks else "data")
         self._local_beat = {
-            "step": rec.steps_done,
+            "step": rec.completed[0],  # a rank between its optimizer step and the next loop top has done it
             "phase": phase,
             "idle_s": round(now - self._progress_t, 3),
             "syncs": rec.grad_syncs,

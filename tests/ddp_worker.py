@@ -1,0 +1,69 @@
+"""A tiny real DDP job for the multi-process tests: gloo ranks spawned by torch.multiprocessing.
+
+Options inject one behaviour at a time, always by busy-waiting (never sleeping): a slow rank, a rank that
+blocks at one step, a rank whose every step is slow but progressing, a rank that skips one gradient sync.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import torch.multiprocessing as mp
+
+from pytscope_core.demo import free_port, spin
+
+
+def run(world: int, options: dict[str, Any]) -> None:
+    mp.start_processes(
+        _main, args=(world, free_port(), options), nprocs=world, start_method="spawn", join=True
+    )
+
+
+def _main(rank: int, world: int, port: int, o: dict[str, Any]) -> None:
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from pytscope_core import Scope
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.ReLU(), torch.nn.Linear(256, 4))
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    scope = Scope(
+        o["run_dir"],
+        interval=o.get("interval", 20),
+        console=False,
+        hang_timeout=o.get("hang_timeout", None),
+        on_hang=o.get("on_hang", "abort"),
+    )
+    scope.watch(ddp, opt)
+    gen = torch.Generator().manual_seed(rank)
+    teacher = torch.randn(32, 4, generator=torch.Generator().manual_seed(0))
+    for step in range(1, o["steps"] + 1):
+        x = torch.randn(512, 32, generator=gen)  # compute-dominated steps: a few ms against ~0.3 ms of all-reduce
+        y = (x @ teacher).argmax(1)
+        slow = rank == world - 1
+        if slow and o.get("spin_ms"):
+            spin(o["spin_ms"])
+        if slow and step == o.get("block_at"):
+            spin(3600e3)
+        if o.get("skip_sync_at") == step and slow:
+            with ddp.no_sync():
+                loss = F.cross_entropy(ddp(x), y)
+                loss.backward()
+        else:
+            loss = F.cross_entropy(ddp(x), y)
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+        scope.log(loss=loss)
+    scope.finish()
+    dist.barrier()
+    dist.destroy_process_group()
+    time.sleep(0.1)

@@ -1,0 +1,78 @@
+"""Real 2-rank gloo DDP jobs through the torch-level Scope; assertions read the run directory afterwards."""
+
+import time
+
+import ddp_worker
+import pytest
+import torch.multiprocessing as mp
+
+from pytscope_core.rundir import load_run
+from pytscope_core.summary import summarize
+from pytscope_core.watchdog import HANG_EXIT_CODE
+
+pytestmark = pytest.mark.multiproc
+
+
+def report(path):
+    run = load_run(path)
+    return summarize(run.arrays, run.context, extra_findings=tuple(run.extra_findings)).to_dict()
+
+
+def codes(summary, min_severity=("HIGH", "MED")):
+    return {f["code"] for f in summary["findings"] if f["severity"] in min_severity}
+
+
+def test_busy_waiting_rank_is_named_and_its_wait_is_not_communication(tmp_path):
+    ddp_worker.run(2, dict(run_dir=str(tmp_path), steps=200, spin_ms=4.0))
+    s = report(tmp_path)
+    assert s["run"]["steps"] == 200 and s["run"]["world_size"] == 2
+    assert s["distributed"]["stragglers"] == [1]
+    straggler = [f for f in s["findings"] if f["code"] == "DIST.STRAGGLER"]
+    assert straggler and straggler[0]["ranks"] == [1] and straggler[0]["severity"] in ("HIGH", "MED")
+    assert "DIST.COMM_BOUND" not in {f["code"] for f in s["findings"]}
+    fast, slow = s["distributed"]["per_rank"]
+    assert (
+        fast["sync_wait_ms"] > 2.0 and slow["sync_wait_ms"] < 1.0
+    )  # the fast rank's wait is the straggler's bill
+    assert slow["local_ms"] - fast["local_ms"] > 2.0
+
+
+def test_healthy_run_is_clean(tmp_path):
+    ddp_worker.run(2, dict(run_dir=str(tmp_path), steps=200))
+    s = report(tmp_path)
+    assert s["distributed"]["stragglers"] == []
+    # Step-time jitter on two shared cores is real machine noise, not a false alarm about the job.
+    assert codes(s) - {"TIMING.JITTER"} == set(), s["findings"]
+    assert s["convergence"]["trend"] == "improving"
+
+
+def test_blocked_rank_is_reported_as_hang_and_the_job_ends_fast(tmp_path):
+    start = time.monotonic()
+    with pytest.raises(mp.ProcessExitedException) as info:
+        ddp_worker.run(2, dict(run_dir=str(tmp_path), steps=100, block_at=30, hang_timeout=5.0))
+    assert info.value.exit_code == HANG_EXIT_CODE
+    assert time.monotonic() - start < 60
+    hang = [f for f in report(tmp_path)["findings"] if f["code"] == "DIST.HANG"]
+    assert hang and hang[0]["ranks"] == [1] and hang[0]["steps"] == [30]
+    assert "rank 0" in hang[0]["detail"] and "waiting" in hang[0]["detail"]
+    for r in (0, 1):
+        assert "Thread" in (tmp_path / "stacks" / f"rank{r}.txt").read_text()
+    assert "spin" in (tmp_path / "stacks" / "rank1.txt").read_text()  # where the missing rank is stuck
+
+
+def test_slow_but_progressing_rank_is_not_a_hang(tmp_path):
+    ddp_worker.run(2, dict(run_dir=str(tmp_path), steps=8, spin_ms=1500.0, hang_timeout=5.0, interval=4))
+    s = report(tmp_path)
+    assert s["run"]["steps"] == 8
+    assert "DIST.HANG" not in {f["code"] for f in s["findings"]}
+
+
+def test_rank_that_skips_one_gradient_sync_is_a_desync_before_it_hangs(tmp_path):
+    # Rank 1 skips the all-reduce of step 12: from then on its steps pair with the others' next ones, its
+    # parameters drift, and at the end rank 0 waits for an all-reduce that rank 1 never starts.
+    with pytest.raises(mp.ProcessExitedException):
+        ddp_worker.run(2, dict(run_dir=str(tmp_path), steps=60, skip_sync_at=12, interval=20, hang_timeout=5.0))
+    findings = {f["code"]: f for f in report(tmp_path)["findings"]}
+    assert findings["DIST.DESYNC"]["ranks"] == [1]
+    assert 1 in findings["DIST.REPLICA_DRIFT"]["ranks"]
+    assert findings["DIST.HANG"]["ranks"] == [1]

@@ -1,0 +1,76 @@
+import math
+
+from pytscope_core.recorder import StepRecorder
+from pytscope_core.records import COL
+from pytscope_core.timeline import Mark
+
+
+class FakeClock:
+    """An injected clock: each call advances by the next programmed amount (ns)."""
+
+    def __init__(self, step_ns=1_000_000):
+        self.t = 0
+        self.step_ns = step_ns
+
+    def now(self):
+        self.t += self.step_ns
+        return self.t
+
+    @staticmethod
+    def to_ms(stamps):
+        return [s / 1e6 for s in stamps]
+
+
+def micro_batch(rec, samples=8.0):
+    rec.loop_top(Mark.DATA_BEGIN)
+    rec.mark(Mark.DATA_END)
+    rec.mark(Mark.FORWARD_BEGIN)
+    rec.mark(Mark.FORWARD_END)
+    rec.count_micro_batch(samples)
+    rec.mark(Mark.BACKWARD_BEGIN)
+    rec.mark(Mark.GRAPH_DONE)
+    rec.mark(Mark.BACKWARD_END)
+    rec.count_grad_sync()
+
+
+def test_a_step_closes_at_the_first_loop_top_after_the_optimizer_step():
+    clock = FakeClock()
+    rec = StepRecorder(clock=clock, memory=lambda: 123.0, host_ns=lambda: 5_000_000_000)
+    for _ in range(3):
+        for _ in range(4):  # gradient accumulation: four micro-batches, one optimizer step
+            micro_batch(rec)
+        rec.mark(Mark.OPTIMIZER_BEGIN)
+        rec.optimizer_stepped()
+        rec.set_loss(2.5)
+    assert rec.steps_done == 2  # the third closes at the next loop top (or close())
+    assert rec.completed == (3, 12, 12)  # a checkpoint taken now includes the step just taken
+    rec.close()
+    rows = rec.drain(rank=1, segment=0, epoch_offset_s=0.0)
+    assert rows.shape[0] == 3
+    assert list(rows[:, COL["step"]]) == [1, 2, 3]
+    assert (rows[:, COL["micro_batches"]] == 4).all() and (rows[:, COL["samples"]] == 32).all()
+    assert (rows[:, COL["grad_syncs"]] == 4).all()
+    assert (rows[:, COL["loss"]] == 2.5).all() and (rows[:, COL["mem_bytes"]] == 123).all()
+    phase_sum = rows[:, COL["data_ms"] : COL["other_ms"] + 1].sum(axis=1)
+    assert abs(phase_sum - rows[:, COL["wall_ms"]]).max() < 1e-9
+    assert rows[0, COL["start_s"]] == 5.0 and rows[0, COL["rank"]] == 1
+    assert rec.window == []
+
+
+def test_a_loop_without_optimizer_step_is_dropped_at_close():
+    rec = StepRecorder(clock=FakeClock())
+    micro_batch(rec)
+    rec.close()
+    assert rec.drain(0, 0, 0.0).shape[0] == 0
+
+
+def test_tensor_losses_are_resolved_only_at_drain():
+    import torch
+
+    rec = StepRecorder(clock=FakeClock())
+    micro_batch(rec)
+    rec.optimizer_stepped()
+    rec.set_loss(torch.tensor(float("inf")))
+    rec.close()
+    rows = rec.drain(0, 0, 0.0)
+    assert math.isinf(rows[0, COL["loss"]])

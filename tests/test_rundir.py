@@ -1,0 +1,148 @@
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from pytscope_core.cli import main
+from pytscope_core.records import COL, NCOLS
+from pytscope_core.rundir import RunWriter, load_run
+
+
+def rows_for(world=2, steps=60, segment=0, first=1, slow_rank=None):
+    rng = np.random.default_rng(segment)
+    out = []
+    for s in range(first, first + steps):
+        for r in range(world):
+            row = np.full(NCOLS, np.nan)
+            row[COL["rank"]], row[COL["segment"]], row[COL["step"]] = r, segment, s
+            phases = np.array([0.2, 1.0, 2.0, 0.3, 0.2, 0.1]) * rng.uniform(0.95, 1.05)
+            if slow_rank is not None:
+                phases[3] = 0.3 if r == slow_rank else 2.3
+                phases[1] += 2.0 if r == slow_rank else 0.0
+            row[COL["data_ms"] : COL["other_ms"] + 1] = phases
+            row[COL["wall_ms"]] = phases.sum()
+            row[COL["start_s"]] = 1000 + segment * 100 + s * phases.sum() / 1e3
+            row[COL["excluded_ms"]] = 0
+            row[COL["loss"]] = 2.0 - s / 100
+            row[COL["samples"]] = 32
+            row[COL["mem_bytes"]] = 1e8
+            row[COL["grad_syncs"]] = row[COL["micro_batches"]] = 1
+            out.append(row)
+    return np.array(out)
+
+
+def write_run(path, **kw):
+    w = RunWriter(path, {"world_size": 2, "interval": 10, "warmup": 2})
+    w.event("segment", index=0, started_s=1000.0, resumed_from_step=0, world_size=2)
+    w.append_rows(rows_for(**kw))
+    w.event(
+        "finding",
+        step=10,
+        source="integration",
+        finding={
+            "code": "DATA.UNEVEN_SHARDS",
+            "severity": "HIGH",
+            "title": "t",
+            "detail": "d",
+            "recommendation": "r",
+            "ranks": [1],
+            "steps": [],
+            "evidence": {},
+        },
+    )
+    w.close()
+
+
+def test_truncated_at_random_byte_offsets_still_reports(tmp_path, capsys):
+    src = tmp_path / "src"
+    write_run(src)
+    steps = (src / "steps.f64").read_bytes()
+    events = (src / "events.jsonl").read_bytes()
+    rng = np.random.default_rng(0)
+    for i, cut in enumerate(rng.integers(0, len(steps), 12)):
+        d = tmp_path / f"cut{i}"
+        d.mkdir()
+        (d / "meta.json").write_text((src / "meta.json").read_text())
+        (d / "steps.f64").write_bytes(steps[:cut])
+        (d / "events.jsonl").write_bytes(events[: int(rng.integers(0, len(events)))])
+        assert main(["report", str(d)]) == 0
+        capsys.readouterr()
+        assert main(["report", str(d), "--json"]) == 0
+        data = json.loads(capsys.readouterr().out)
+        full_rows = int(cut) // (NCOLS * 8)  # rank 0 and rank 1 rows alternate, step by step
+        assert data["run"]["steps"] == (full_rows + 1) // 2
+
+
+def test_report_json_has_the_contract_keys_and_integration_findings(tmp_path, capsys):
+    write_run(tmp_path / "r", slow_rank=1)
+    assert main(["report", str(tmp_path / "r"), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["run"]["world_size"] == 2 and data["run"]["steps"] == 60 and data["run"]["restarts"] == 0
+    for key in ("median_ms", "p95_ms"):
+        assert data["timing"][key] > 0
+    assert abs(sum(p["share"] for p in data["timing"]["phases"].values()) - 1) < 1e-6
+    ranks = data["distributed"]["per_rank"]
+    assert [r["rank"] for r in ranks] == [0, 1] and all(
+        "local_ms" in r and "sync_wait_ms" in r for r in ranks
+    )
+    assert data["distributed"]["stragglers"] == [1]
+    assert data["convergence"]["trend"] in ("improving", "flat", "worsening", "unknown")
+    codes = {f["code"] for f in data["findings"]}
+    assert "DATA.UNEVEN_SHARDS" in codes and "DIST.STRAGGLER" in codes and "DIST.COMM_BOUND" not in codes
+    assert all({"code", "severity", "ranks", "steps"} <= f.keys() for f in data["findings"])
+
+
+def test_fail_on_exit_codes(tmp_path):
+    write_run(tmp_path / "r", slow_rank=1)
+    assert main(["report", str(tmp_path / "r"), "--fail-on", "HIGH"]) == 1
+    write_run(tmp_path / "ok")
+    assert (
+        main(["report", str(tmp_path / "ok"), "--fail-on", "MED"]) == 1
+    )  # the uneven-shards finding is HIGH
+    assert main(["report", str(tmp_path / "ok")]) == 0
+
+
+def test_resumed_segment_supersedes_replayed_steps(tmp_path, capsys):
+    w = RunWriter(tmp_path / "r", {"world_size": 2, "interval": 10, "warmup": 2})
+    w.event("segment", index=0, started_s=1000.0, resumed_from_step=0, world_size=2)
+    w.append_rows(rows_for(steps=130, segment=0))
+    w.event("segment", index=1, started_s=1200.0, resumed_from_step=100, world_size=2)
+    w.append_rows(rows_for(steps=100, segment=1, first=101))
+    w.close()
+    run = load_run(tmp_path / "r")
+    assert run.arrays.n_steps == 200 and run.arrays.replayed.shape[0] == 30 * 2
+    assert main(["report", str(tmp_path / "r"), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["run"]["steps"] == 200 and data["run"]["restarts"] == 1
+
+
+@pytest.mark.parametrize("make", ["missing", "file", "empty", "junk"])
+def test_bad_run_directory_is_one_line_and_exit_2(tmp_path, make):
+    target = tmp_path / "x"
+    if make == "file":
+        target.write_text("hello")
+    elif make == "empty":
+        target.mkdir()
+    elif make == "junk":
+        target.mkdir()
+        (target / "meta.json").write_text("{not json")
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytscope_core.cli", "report", str(target)], capture_output=True, text=True
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+
+
+def test_bad_arguments_exit_2_without_traceback():
+    for argv in (
+        ["report"],
+        ["nonsense"],
+        ["report", ".", "--fail-on", "CRITICAL"],
+        ["demo", "--ranks", "0"],
+    ):
+        proc = subprocess.run(
+            [sys.executable, "-m", "pytscope_core.cli", *argv], capture_output=True, text=True
+        )
+        assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, (argv, proc.stderr)

@@ -1,0 +1,62 @@
+from pytscope_core.timeline import Mark as M
+from pytscope_core.timeline import attribute
+
+
+def test_phases_sum_to_wall_and_pause_is_excluded():
+    marks = [
+        M.STEP_START,
+        M.DATA_BEGIN,
+        M.DATA_END,
+        M.FORWARD_BEGIN,
+        M.FORWARD_END,
+        M.BACKWARD_BEGIN,
+        M.GRAPH_DONE,
+        M.BACKWARD_END,
+        M.OPTIMIZER_BEGIN,
+        M.OPTIMIZER_END,
+        M.PAUSE_BEGIN,
+        M.PAUSE_END,
+        M.STEP_END,
+    ]
+    times = [0, 0, 2, 2.5, 5, 5.5, 9, 11, 11.2, 12, 12.5, 20, 20.3]
+    phases, excluded, wall = attribute(marks, times)
+    assert excluded == 7.5
+    assert abs(wall - (20.3 - 7.5)) < 1e-9
+    assert abs(sum(phases) - wall) < 1e-9
+    data, forward, backward, comm, optimizer, other = phases
+    assert (data, forward, backward, comm) == (2.0, 2.5, 3.5, 2.0)
+    assert abs(other - 2.0) < 1e-9  # the gaps between hooks: 0.5 + 0.5 + 0.2 + 0.5 + 0.3
+
+
+def test_nested_forward_inside_optimizer_closure_goes_to_the_innermost_phase():
+    # Closure-style optimizers (LBFGS, Lightning) run forward/backward inside step().
+    marks = [M.STEP_START, M.OPTIMIZER_BEGIN, M.FORWARD_BEGIN, M.FORWARD_END, M.OPTIMIZER_END, M.STEP_END]
+    phases, _, wall = attribute(marks, [0, 1, 2, 6, 7, 7])
+    assert phases[1] == 4 and phases[4] == 2 and phases[5] == 1 and wall == 7
+
+
+def test_a_close_without_open_is_ignored_and_an_open_phase_runs_to_the_end():
+    marks = [M.STEP_START, M.DATA_END, M.FORWARD_BEGIN, M.STEP_END]
+    phases, _, wall = attribute(marks, [0, 1, 3, 10])
+    assert phases[5] == 3 and phases[1] == 7 and wall == 10
+
+
+def test_gradient_accumulation_micro_batches_add_up():
+    one = [
+        M.DATA_BEGIN,
+        M.DATA_END,
+        M.FORWARD_BEGIN,
+        M.FORWARD_END,
+        M.BACKWARD_BEGIN,
+        M.GRAPH_DONE,
+        M.BACKWARD_END,
+    ]
+    marks = [M.STEP_START] + one * 3 + [M.OPTIMIZER_BEGIN, M.OPTIMIZER_END, M.STEP_END]
+    times = [0.0]
+    for _ in range(3):
+        t = times[-1]
+        times += [t, t + 1, t + 1, t + 3, t + 3, t + 6, t + 7]
+    t = times[-1]
+    times += [t, t + 2, t + 2]
+    phases, _, wall = attribute(marks, times)
+    assert phases[:5] == [3, 6, 9, 3, 2] and wall == 23
