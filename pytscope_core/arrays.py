@@ -52,30 +52,36 @@ class RunArrays:
     @classmethod
     def from_rows(cls, rows: np.ndarray, warmup: int = 5) -> RunArrays:
         rows = np.asarray(rows, dtype=np.float64).reshape(-1, NCOLS)
-        rows = rows[np.isfinite(rows[:, COL["step"]]) & np.isfinite(rows[:, COL["rank"]])]
+        valid = np.isfinite(rows[:, COL["step"]]) & np.isfinite(rows[:, COL["rank"]])
+        if not valid.all():
+            rows = rows[valid]
         rows, replayed = _latest_per_rank_step(rows)
-        rank_col = rows[:, COL["rank"]].astype(np.int64)
-        step_col = rows[:, COL["step"]].astype(np.int64)
-        ranks = np.unique(rank_col)
-        steps = np.unique(step_col)
-        si = np.searchsorted(steps, step_col)
-        ri = np.searchsorted(ranks, rank_col)
-        dense = np.full((steps.size, ranks.size, NCOLS), np.nan)
-        dense[si, ri] = rows
+        steps, step_index = _dense_index(rows[:, COL["step"]].astype(np.int64))
+        ranks, rank_index = _dense_index(rows[:, COL["rank"]].astype(np.int64))
+        # One flat (step, rank) cell index, then one scatter per column: no (S, R, 17) temporary.
+        cell = step_index * ranks.size + rank_index
+        shape = (steps.size, ranks.size)
 
-        segment = dense[:, :, COL["segment"]]
+        def column(name: str) -> np.ndarray:
+            out = np.full(steps.size * ranks.size, np.nan)
+            out[cell] = rows[:, COL[name]]
+            return out.reshape(shape)
+
+        phases = np.full((steps.size * ranks.size, len(PHASE_COLS)), np.nan)
+        phases[cell] = rows[:, list(PHASE_COLS)]
+        segment = column("segment")
         return cls(
             steps=steps,
             ranks=ranks,
-            phases=dense[:, :, list(PHASE_COLS)],
-            wall_ms=dense[:, :, COL["wall_ms"]],
-            start_s=dense[:, :, COL["start_s"]],
-            excluded_ms=dense[:, :, COL["excluded_ms"]],
-            loss=dense[:, :, COL["loss"]],
-            samples=dense[:, :, COL["samples"]],
-            mem_bytes=dense[:, :, COL["mem_bytes"]],
-            grad_syncs=dense[:, :, COL["grad_syncs"]],
-            micro_batches=dense[:, :, COL["micro_batches"]],
+            phases=phases.reshape(*shape, len(PHASE_COLS)),
+            wall_ms=column("wall_ms"),
+            start_s=column("start_s"),
+            excluded_ms=column("excluded_ms"),
+            loss=column("loss"),
+            samples=column("samples"),
+            mem_bytes=column("mem_bytes"),
+            grad_syncs=column("grad_syncs"),
+            micro_batches=column("micro_batches"),
             segment=segment,
             counted=_past_warmup(steps, segment, warmup),
             replayed=replayed,
@@ -133,15 +139,36 @@ class RunArrays:
         return cls(**fields)
 
 
+def _dense_index(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(sorted distinct values, each value's position among them); O(n) for compact integer ranges."""
+    if values.size == 0:
+        return values, values
+    low = int(values.min())
+    span = int(values.max()) - low + 1
+    if span > 4 * values.size + 1_000_000:
+        distinct, index = np.unique(values, return_inverse=True)
+        return distinct, index.reshape(-1)
+    present = np.zeros(span, dtype=bool)
+    present[values - low] = True
+    position = np.cumsum(present) - 1
+    return np.flatnonzero(present) + low, position[values - low]
+
+
 def _latest_per_rank_step(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Keep, for each (rank, step), the row of the latest segment; return (kept, superseded)."""
     if rows.shape[0] == 0:
         return rows, rows
-    order = np.lexsort((rows[:, COL["segment"]], rows[:, COL["step"]], rows[:, COL["rank"]]))
+    rank = rows[:, COL["rank"]].astype(np.int64)
+    step = rows[:, COL["step"]].astype(np.int64)
+    key = (rank - rank.min()) * (int(step.max() - step.min()) + 1) + (step - step.min())
+    _, index = _dense_index(key)
+    if index.size == 0 or int(index.max()) + 1 == key.size:  # the usual case: nothing was replayed
+        return rows, rows[:0]
+    order = np.lexsort((rows[:, COL["segment"]], key))
+    key = key[order]
+    last = np.ones(key.size, dtype=bool)
+    last[:-1] = key[1:] != key[:-1]
     rows = rows[order]
-    key = rows[:, [COL["rank"], COL["step"]]]
-    last = np.ones(rows.shape[0], dtype=bool)
-    last[:-1] = np.any(key[1:] != key[:-1], axis=1)
     return rows[last], rows[~last]
 
 

@@ -159,6 +159,14 @@ class Scope:
         self.recorder._now = self.recorder.clock.now
         self.recorder._memory = _cuda_peak_memory
 
+    def watch_backward(self, model: Any) -> None:
+        """Time backward and exposed gradient communication from `model`'s parameters (integrations that mark
+        forward themselves)."""
+        try:
+            self.hooks.watch_backward(model)
+        except Exception as exc:
+            self._fail(exc)
+
     def watch_replicas(self, model: Any) -> None:
         """Compare this data-parallel model's parameters across ranks at every gather."""
         self._model = model
@@ -177,8 +185,9 @@ class Scope:
         if self.enabled:
             self.recorder.mark(Mark.FORWARD_BEGIN)
 
-    def forward_end(self, output: Any, grad_sync: bool = False) -> None:
-        """`output` (e.g. the loss) is hooked so that its backward is timed; `grad_sync`: this backward all-reduces."""
+    def forward_end(self, output: Any = None, grad_sync: bool = False) -> None:
+        """End of a micro-batch's forward; `grad_sync`: this backward all-reduces. Without `watch_backward`,
+        `output` (e.g. the loss) is hooked so that its backward is timed."""
         if self.enabled:
             try:
                 self.hooks.forward_done(output, grad_sync)
