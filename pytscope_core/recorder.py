@@ -18,7 +18,7 @@ import numpy as np
 
 from .clocks import Clock, HostClock
 from .records import COL, NCOLS, PHASE_COLS
-from .timeline import Mark, attribute
+from .timeline import Mark, attribute_many
 
 _RSS_UNIT = 1 if sys.platform == "darwin" else 1024  # ru_maxrss is bytes on macOS, KiB on Linux
 
@@ -183,25 +183,25 @@ class StepRecorder:
             return rows
         flat = [s for w in window for s in w.stamps]
         ms = self.clock.to_ms(flat)
-        losses = _losses_to_floats([w.loss for w in window])
-        pos = 0
-        for i, w in enumerate(window):
-            n = len(w.stamps)
-            phases, excluded, wall = attribute(w.marks, ms[pos : pos + n])
-            pos += n
-            row = rows[i]
-            row[COL["rank"]] = rank
-            row[COL["segment"]] = segment
-            row[COL["step"]] = w.step
-            row[COL["start_s"]] = w.host_start_ns / 1e9 + epoch_offset_s
-            row[COL["wall_ms"]] = wall
-            row[list(PHASE_COLS)] = phases
-            row[COL["excluded_ms"]] = excluded
-            row[COL["loss"]] = losses[i]
-            row[COL["samples"]] = w.samples
-            row[COL["mem_bytes"]] = w.mem
-            row[COL["grad_syncs"]] = w.syncs
-            row[COL["micro_batches"]] = w.micro
+        times, pos = [], 0
+        for w in window:
+            times.append(ms[pos : pos + len(w.stamps)])
+            pos += len(w.stamps)
+        timed = attribute_many([w.marks for w in window], times)
+        rows[:, COL["rank"]] = rank
+        rows[:, COL["segment"]] = segment
+        rows[:, COL["step"]] = [w.step for w in window]
+        rows[:, COL["start_s"]] = (
+            np.array([w.host_start_ns for w in window], dtype=np.float64) / 1e9 + epoch_offset_s
+        )
+        rows[:, list(PHASE_COLS)] = timed[:, : len(PHASE_COLS)]
+        rows[:, COL["excluded_ms"]] = timed[:, len(PHASE_COLS)]
+        rows[:, COL["wall_ms"]] = timed[:, len(PHASE_COLS) + 1]
+        rows[:, COL["loss"]] = _losses_to_floats([w.loss for w in window])
+        rows[:, COL["samples"]] = [w.samples for w in window]
+        rows[:, COL["mem_bytes"]] = [w.mem for w in window]
+        rows[:, COL["grad_syncs"]] = [w.syncs for w in window]
+        rows[:, COL["micro_batches"]] = [w.micro for w in window]
         return rows
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 
+import numpy as np
+
 from .records import PHASES
 
 
@@ -71,3 +73,44 @@ def attribute(marks: Sequence[int], times_ms: Sequence[float]) -> tuple[list[flo
     excluded = acc[EXCLUDED]
     span = times_ms[-1] - times_ms[0]
     return acc[:-1], excluded, span - excluded
+
+
+_PATTERNS: dict[tuple[int, ...], np.ndarray] = {}
+
+
+def _pattern_matrix(marks: tuple[int, ...]) -> np.ndarray:
+    """For a sequence of marks: which phase (or EXCLUDED) each interval between consecutive marks goes to,
+    as a one-hot (intervals x phases+1) matrix. Found once per distinct sequence by `attribute` itself."""
+    m = _PATTERNS.get(marks)
+    if m is None:
+        n = len(marks) - 1
+        m = np.zeros((n, len(PHASES) + 1))
+        for i in range(n):
+            times = [0.0] * (i + 1) + [1.0] * (n - i)  # only interval i has length 1
+            phases, excluded, _ = attribute(marks, times)
+            m[i, : len(PHASES)] = phases
+            m[i, len(PHASES)] = excluded
+        if len(_PATTERNS) < 4096:
+            _PATTERNS[marks] = m
+    return m
+
+
+def attribute_many(marks: Sequence[Sequence[int]], times_ms: Sequence[Sequence[float]]) -> np.ndarray:
+    """`attribute` for a window of steps: (n, phases + 2) array of phase ms, excluded ms, wall ms.
+
+    Training loops repeat the same sequence of marks step after step, so steps are grouped by their sequence
+    and each group is one matrix product instead of a Python loop over marks.
+    """
+    n = len(marks)
+    out = np.zeros((n, len(PHASES) + 2))
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i, m in enumerate(marks):
+        groups.setdefault(tuple(m), []).append(i)
+    for pattern, idx in groups.items():
+        if len(pattern) < 2:
+            continue
+        t = np.array([times_ms[i] for i in idx], dtype=np.float64)
+        parts = np.diff(t, axis=1) @ _pattern_matrix(pattern)
+        out[idx, : len(PHASES) + 1] = parts
+        out[idx, len(PHASES) + 1] = (t[:, -1] - t[:, 0]) - parts[:, len(PHASES)]
+    return out

@@ -60,3 +60,29 @@ def test_gradient_accumulation_micro_batches_add_up():
     times += [t, t + 2, t + 2]
     phases, _, wall = attribute(marks, times)
     assert phases[:5] == [3, 6, 9, 3, 2] and wall == 23
+
+
+def test_attribute_many_matches_attribute_on_random_sequences():
+    import random
+
+    import numpy as np
+
+    from pytscope_core.timeline import attribute_many
+
+    rng = random.Random(0)
+    middle = [m for m in M if m not in (M.STEP_START, M.STEP_END)]
+    marks, times = [], []
+    for _ in range(300):
+        body = (
+            [rng.choice(middle) for _ in range(rng.randint(0, 12))]
+            if rng.random() < 0.5
+            else [M.DATA_BEGIN, M.DATA_END]
+        )
+        seq = [M.STEP_START, *body, M.STEP_END]
+        t = sorted(rng.uniform(0, 50) for _ in seq)
+        marks.append(seq)
+        times.append(t)
+    many = attribute_many(marks, times)
+    for row, seq, t in zip(many, marks, times, strict=True):
+        phases, excluded, wall = attribute(seq, t)
+        assert np.allclose(row, [*phases, excluded, wall])
