@@ -174,7 +174,8 @@ class TorchHooks:
             try:
                 # DDP decides in forward whether this backward all-reduces (no_sync() turns it off).
                 self.forward_done(
-                    output, grad_sync=self.is_ddp and bool(getattr(module, "require_backward_grad_sync", True))
+                    output,
+                    grad_sync=self.is_ddp and bool(getattr(module, "require_backward_grad_sync", True)),
                 )
             except Exception as exc:
                 self._on_error(exc)

@@ -96,7 +96,8 @@ class Scope:
         self.resumed_from_step = 0
         self.rank = 0
         self.world_size = 1
-        self.gather_ms: list[float] = []
+        self.gather_ms: list[float] = []  # each gather: resolving the window and the exchange, every rank
+        self.ingest_ms: list[float] = []  # rank 0 after each gather: writing the run, live diagnosis
         self.findings: list[Finding] = []  # latest live diagnosis (rank 0)
         self.summary: Any = None  # end-of-run Summary (rank 0)
         self._started = False
@@ -342,7 +343,9 @@ class Scope:
     def _report_hang(self, finding: Finding) -> None:
         """Called from rank 0's watchdog thread while the main thread is blocked."""
         if self._writer is not None:
-            if not isinstance(self.recorder.clock, CudaEventClock):  # events behind a hung kernel never resolve
+            if not isinstance(
+                self.recorder.clock, CudaEventClock
+            ):  # events behind a hung kernel never resolve
                 self._writer.append_rows(self.recorder.drain(self.rank, self.segment, self._epoch_offset))
             self._writer.event("hang", step=self.recorder.steps_done, finding=finding.to_dict())
         if self._console is not None:
@@ -416,9 +419,11 @@ class Scope:
         else:
             headers = np.array([[*counters[:3], rows.shape[0], counters[3]]])
         self._gathers += 1
+        t1 = time.perf_counter()
+        self.gather_ms.append((t1 - t0) * 1e3)
         if self.rank == 0:
             self._ingest(headers, rows, final)
-        self.gather_ms.append((time.perf_counter() - t0) * 1e3)
+            self.ingest_ms.append((time.perf_counter() - t1) * 1e3)
 
     def _checksum(self) -> float:
         """A cheap fingerprint of the replicated parameters; DDP replicas must agree bit for bit."""
@@ -597,7 +602,12 @@ class Scope:
         assert self.run_dir is not None
         for message in self.errors:
             self._writer.event("scope_error", message=message)
-        self._writer.event("scope_cost", gathers=self._gathers, gather_ms=_quantiles(self.gather_ms))
+        self._writer.event(
+            "scope_cost",
+            gathers=self._gathers,
+            gather_ms=_quantiles(self.gather_ms),
+            ingest_ms=_quantiles(self.ingest_ms),
+        )
         run = load_run(self.run_dir)
         self.summary = summarize(run.arrays, run.context, extra_findings=tuple(run.extra_findings))
         text_console = Console(record=True, width=110, file=open(os.devnull, "w"), color_system=None)

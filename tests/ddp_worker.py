@@ -46,7 +46,9 @@ def _main(rank: int, world: int, port: int, o: dict[str, Any]) -> None:
     gen = torch.Generator().manual_seed(rank)
     teacher = torch.randn(32, 4, generator=torch.Generator().manual_seed(0))
     for step in range(1, o["steps"] + 1):
-        x = torch.randn(512, 32, generator=gen)  # compute-dominated steps: a few ms against ~0.3 ms of all-reduce
+        x = torch.randn(
+            512, 32, generator=gen
+        )  # compute-dominated steps: a few ms against ~0.3 ms of all-reduce
         y = (x @ teacher).argmax(1)
         slow = rank == world - 1
         if slow and o.get("spin_ms"):

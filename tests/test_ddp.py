@@ -71,7 +71,9 @@ def test_rank_that_skips_one_gradient_sync_is_a_desync_before_it_hangs(tmp_path)
     # Rank 1 skips the all-reduce of step 12: from then on its steps pair with the others' next ones, its
     # parameters drift, and at the end rank 0 waits for an all-reduce that rank 1 never starts.
     with pytest.raises(mp.ProcessExitedException):
-        ddp_worker.run(2, dict(run_dir=str(tmp_path), steps=60, skip_sync_at=12, interval=20, hang_timeout=5.0))
+        ddp_worker.run(
+            2, dict(run_dir=str(tmp_path), steps=60, skip_sync_at=12, interval=20, hang_timeout=5.0)
+        )
     findings = {f["code"]: f for f in report(tmp_path)["findings"]}
     assert findings["DIST.DESYNC"]["ranks"] == [1]
     assert 1 in findings["DIST.REPLICA_DRIFT"]["ranks"]
