@@ -98,8 +98,8 @@ class ScopeCallback(Callback):
 
     @_guarded
     def on_train_start(self, scope: Scope, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._watch(scope, trainer, pl_module)  # first: it picks the clock, which the run's metadata records
         scope.start()  # collective: every rank is here, after the strategy set up the process group
-        self._watch(scope, trainer, pl_module)
         _time_sigterm_broadcast(scope, trainer)
         self._check_shards(scope, trainer)
         scope.data_begin()
