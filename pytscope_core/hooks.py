@@ -75,6 +75,7 @@ class TorchHooks:
         self.active = True
         self.loader_watched = False
         self.is_ddp = False
+        self.paused = False  # set by the scope around evaluation / checkpointing
         self._on_error = on_error
         self._handles: list[Any] = []
         self._loaders: list[tuple[Any, type]] = []
@@ -160,7 +161,7 @@ class TorchHooks:
         rec = self.recorder
 
         def timed(*args: Any, **kwargs: Any) -> Any:
-            if not (self.active and module.training and is_grad_enabled()) or self._in_backward:
+            if not (self.active and module.training and is_grad_enabled()) or self._outside_training():
                 return forward(*args, **kwargs)
             try:
                 if self.loader_watched:
@@ -182,6 +183,10 @@ class TorchHooks:
             return output
 
         return timed
+
+    def _outside_training(self) -> bool:
+        # Recomputation inside backward, and evaluation in a pause or between epochs, are not training forwards.
+        return self._in_backward or self.paused or self._epoch_paused
 
     def forward_done(self, output: Any, grad_sync: bool) -> None:
         """End of a micro-batch's forward. Without gradient-ready hooks (`watch_backward`), the backward is
@@ -267,7 +272,7 @@ class TorchHooks:
     # -- optimizer ------------------------------------------------------------------------------------
     def _optimizer_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self.active:
-            self.recorder.mark(Mark.OPTIMIZER_BEGIN)
+            self._guard(self.recorder.mark, Mark.OPTIMIZER_BEGIN)
 
     def _optimizer_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self.active:
@@ -278,16 +283,22 @@ class TorchHooks:
 
     # -- data -----------------------------------------------------------------------------------------
     def next_batch(self, it: Iterator[Any]) -> Any:
-        if not self.active:
+        if not self.active or self.paused:  # e.g. evaluating over the training loader inside a pause
             return next(it)
-        self.data_begin()
+        self._guard(self.data_begin)
         try:
             batch = next(it)
         except StopIteration:
-            self.epoch_end()
+            self._guard(self.epoch_end)
             raise
-        self.data_end(batch)
+        self._guard(self.data_end, batch)
         return batch
+
+    def _guard(self, hook: Callable[..., None], *args: Any) -> None:
+        try:
+            hook(*args)
+        except Exception as exc:
+            self._on_error(exc)
 
     def data_begin(self) -> None:
         """Loop top: the wait for the next batch starts."""

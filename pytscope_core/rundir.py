@@ -195,6 +195,8 @@ def load_run(path: str | os.PathLike[str], warmup: int | None = None) -> Run:
                 problems.append("a live finding could not be read")
                 continue
             (extra if e.get("source") == "integration" else live).append(finding)
+    # An integration re-checks at every launch (e.g. uneven shards): keep each finding's latest word once.
+    extra = list({f.key: f for f in extra}.values())
     return Run(root, meta, arrays, context, live, extra, problems)
 
 

@@ -88,7 +88,7 @@ class Scope:
         self._clock = clock
         self.recorder = StepRecorder(clock=clock)
         self.recorder.on_step_closed = self._after_step
-        self.hooks = TorchHooks(self.recorder, self._fail)
+        self.hooks = TorchHooks(self.recorder, self.fail)
         self.metrics_sink: Callable[[dict[str, float], int], None] | None = None
         self.enabled = True
         self.errors: list[str] = []
@@ -148,7 +148,7 @@ class Scope:
             if manual_data:
                 self.hooks.loader_watched = True
         except Exception as exc:
-            self._fail(exc)
+            self.fail(exc)
         if not self._atexit_registered:
             atexit.register(self.finish)  # the summary still appears if the user forgets finish()
             self._atexit_registered = True
@@ -166,7 +166,7 @@ class Scope:
         try:
             self.hooks.watch_backward(model)
         except Exception as exc:
-            self._fail(exc)
+            self.fail(exc)
 
     def watch_replicas(self, model: Any) -> None:
         """Compare this data-parallel model's parameters across ranks at every gather."""
@@ -193,17 +193,20 @@ class Scope:
             try:
                 self.hooks.forward_done(output, grad_sync)
             except Exception as exc:
-                self._fail(exc)
+                self.fail(exc)
 
     def optimizer_begin(self) -> None:
         if self.enabled:
             self.recorder.mark(Mark.OPTIMIZER_BEGIN)
 
     def pause(self) -> None:
-        """Time until `resume()` is not charged to the step (validation, checkpoint saving)."""
+        """Time until `resume()` is not charged to the step (validation, checkpoint saving); forwards in
+        it are not training forwards."""
+        self.hooks.paused = True
         self.recorder.mark(Mark.PAUSE_BEGIN)
 
     def resume(self) -> None:
+        self.hooks.paused = False
         self.recorder.mark(Mark.PAUSE_END)
 
     def log(self, **scalars: Any) -> None:
@@ -277,7 +280,7 @@ class Scope:
         try:
             self._start()
         except Exception as exc:
-            self._fail(exc)
+            self.fail(exc)
 
     def _start(self) -> None:
         import torch.distributed as dist
@@ -399,7 +402,7 @@ class Scope:
                 self._next_gather = (self._gather_key() // self.interval + 1) * self.interval
                 self._gather()
         except Exception as exc:
-            self._fail(exc)
+            self.fail(exc)
 
     def _gather(self, final: bool = False) -> None:
         t0 = time.perf_counter()
@@ -542,7 +545,7 @@ class Scope:
             if self.rank == 0 and self._writer is not None:
                 self._final_report()
         except Exception as exc:
-            self._fail(exc)
+            self.fail(exc)
         finally:
             if self._watchdog is not None:
                 self._watchdog.stop()
@@ -618,7 +621,8 @@ class Scope:
             self._console.print(f"[dim]run directory: {self.run_dir}  (pytscope report {self.run_dir})[/]")
 
     # -- failure --------------------------------------------------------------------------------------
-    def _fail(self, exc: BaseException) -> None:
+    def fail(self, exc: BaseException) -> None:
+        """Disable the scope after an internal error (one message, every rank told); training goes on."""
         if not self.enabled:
             return
         self.enabled = False

@@ -67,7 +67,7 @@ def attribute(marks: Sequence[int], times_ms: Sequence[float]) -> tuple[list[flo
         prev = t
         opens, closes = _TRANSITIONS.get(mark, (None, None))
         if closes is not None and closes in stack:
-            del stack[stack.index(closes) :]
+            del stack[len(stack) - 1 - stack[::-1].index(closes) :]  # the innermost open one
         if opens is not None:
             stack.append(opens)
     excluded = acc[EXCLUDED]

@@ -41,7 +41,7 @@ def _guarded(hook: Callable[..., None]) -> Callable[..., None]:
         try:
             hook(self, scope, *args, **kwargs)
         except Exception as exc:
-            scope._fail(exc)
+            scope.fail(exc)
 
     return wrapper
 
@@ -176,6 +176,7 @@ class ScopeCallback(Callback):
             scope.use_cuda_clock()
         # No optimizer pre-hook: Lightning calls step(closure) before the forward even starts.
         scope.watch(optimizer=list(trainer.optimizers), optimizer_pre_hook=False, manual_data=True)
+        scope.watch_backward(pl_module)  # persistent gradient-ready hooks: nothing registered per step
         scope.metrics_sink = functools.partial(_log_metrics, trainer)
         model = trainer.strategy.model
         if isinstance(model, torch.nn.parallel.DistributedDataParallel):

@@ -12,6 +12,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -238,3 +239,20 @@ def test_an_internal_error_disables_the_scope_and_the_fit_goes_on(tmp_path: Path
     run = load_run(run_dir)
     assert any("injected failure" in e for e in run.context.scope_errors)
     assert 5 <= read_rows(run_dir).shape[0] <= 10  # recorded until the failure, nothing after it
+
+
+def test_blocked_rank_is_reported_as_hang_and_both_processes_exit(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "OMP_NUM_THREADS": "1"}
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, str(JOB), "--run-dir", str(run_dir), "--devices", "2", "--strategy", "ddp",
+         "--steps", "100", "--interval", "20", "--block-at", "30", "--hang-timeout", "5"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode != 0 and time.monotonic() - start < 60, proc.stderr[-3000:]
+    hang = [f for f in _summary(run_dir)["findings"] if f["code"] == "DIST.HANG"]
+    assert hang and hang[0]["ranks"] == [1] and hang[0]["steps"] == [30], hang
+    for rank in (0, 1):
+        assert "Thread" in (run_dir / "stacks" / f"rank{rank}.txt").read_text()
+    assert "spin" in (run_dir / "stacks" / "rank1.txt").read_text()

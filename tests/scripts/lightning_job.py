@@ -45,8 +45,11 @@ class Job(pl.LightningModule):
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> Any:
         x, y = batch
-        if self.args.spin_ms and self.global_rank == self.trainer.world_size - 1:
+        last_rank = self.global_rank == self.trainer.world_size - 1
+        if self.args.spin_ms and last_rank:
             spin(self.args.spin_ms)
+        if last_rank and self.trainer.world_size > 1 and self.global_step + 1 == self.args.block_at:
+            spin(3600e3)  # never reaches this step's all-reduce
         loss = F.cross_entropy(self.net(x), y)
         return {"loss": loss} if self.args.dict_output else loss
 
@@ -111,6 +114,8 @@ def main() -> None:
         "--spin-ms", type=float, default=0.0, help="busy-wait on the last rank in every training_step"
     )
     p.add_argument("--uneven", action="store_true")
+    p.add_argument("--block-at", type=int, default=0, help="the last rank blocks forever at this step")
+    p.add_argument("--hang-timeout", type=float, default=None)
     p.add_argument("--accumulate", type=int, default=1)
     p.add_argument("--comm-hook", choices=["fp16"], default=None)
     p.add_argument("--val-every", type=int, default=0, help="validate every N batches (0: never)")
@@ -129,7 +134,14 @@ def main() -> None:
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
         strategy = DDPStrategy(ddp_comm_hook=default_hooks.fp16_compress_hook)
-    callbacks: list[Any] = [ScopeCallback(run_dir=args.run_dir, interval=args.interval, console=True)]
+    callbacks: list[Any] = [
+        ScopeCallback(
+            run_dir=args.run_dir,
+            interval=args.interval,
+            console=True,
+            hang_timeout=args.hang_timeout or "auto",
+        )
+    ]
     if args.break_scope:
         callbacks.append(BreakScope(callbacks[0]))
     if args.ckpt_every:

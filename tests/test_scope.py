@@ -1,0 +1,141 @@
+"""The torch-level Scope in one process: a real model, loader, optimizer; and the demo's scenarios."""
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from pytscope_core import Scope
+from pytscope_core.cli import main
+from pytscope_core.rundir import load_run
+from pytscope_core.summary import summarize
+from pytscope_core.watchdog import HANG_EXIT_CODE
+
+
+def train(run_dir, epochs=2, steps_per_epoch=40, accumulate=1, **options):
+    torch.manual_seed(0)
+    x = torch.randn(steps_per_epoch * accumulate * 16, 8)
+    y = x @ torch.randn(8, 1)
+    loader = DataLoader(TensorDataset(x, y), batch_size=16)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.02)
+    scope = Scope(run_dir, console=False, hang_timeout=None, interval=25, **options)
+    scope.watch(model, opt, loader)
+    for _ in range(epochs):
+        for i, (xb, yb) in enumerate(loader):
+            loss = torch.nn.functional.mse_loss(model(xb), yb) / accumulate
+            loss.backward()
+            if (i + 1) % accumulate == 0:
+                opt.step()
+                opt.zero_grad()
+                scope.log(loss=loss * accumulate)
+        with scope.paused():
+            sum(model(xb).sum().item() for xb, _ in loader)  # an evaluation pass between epochs
+    return scope, model, loader
+
+
+def test_single_process_run_records_every_step_and_reports(tmp_path):
+    scope, model, loader = train(tmp_path, epochs=3)
+    summary = scope.finish()
+    assert summary is not None and scope.finish() is summary  # a second finish is harmless
+    run = load_run(tmp_path)
+    assert run.arrays.n_steps == 120 and run.arrays.world_size == 1
+    assert (run.arrays.samples == 16).all() and (run.arrays.micro_batches == 1).all()
+    data = summarize(run.arrays, run.context).to_dict()
+    assert data["convergence"]["trend"] == "improving"
+    assert abs(sum(p["share"] for p in data["timing"]["phases"].values()) - 1) < 1e-9
+    assert (
+        data["timing"]["phases"]["forward"]["share"] > 0 and data["timing"]["phases"]["backward"]["share"] > 0
+    )
+    # The hooks are gone after finish: the user's objects are as they were.
+    assert "forward" not in model.__dict__ and type(loader) is DataLoader
+    assert (tmp_path / "summary.json").exists() and "Findings" in (tmp_path / "summary.txt").read_text()
+
+
+def test_gradient_accumulation_window_is_one_step(tmp_path):
+    scope, _, _ = train(tmp_path, epochs=1, steps_per_epoch=10, accumulate=4)
+    scope.finish()
+    arrays = load_run(tmp_path).arrays
+    assert arrays.n_steps == 10 and (arrays.micro_batches == 4).all() and (arrays.samples == 64).all()
+
+
+def test_evaluation_between_epochs_is_not_charged_to_a_step(tmp_path):
+    scope, _, _ = train(tmp_path, epochs=2, steps_per_epoch=30)
+    scope.finish()
+    arrays = load_run(tmp_path).arrays
+    assert arrays.excluded_ms[30, 0] > 0  # the first step of epoch 2 carries the paused evaluation
+    assert arrays.wall_ms[30, 0] < arrays.excluded_ms[30, 0] + 5 * float(
+        torch.tensor(arrays.wall_ms).median()
+    )
+
+
+def test_resume_from_state_dict_continues_the_run(tmp_path):
+    scope, _, _ = train(tmp_path, epochs=1, steps_per_epoch=30)
+    state = scope.state_dict()
+    assert state["step"] == 30 and json.loads(json.dumps(state)) == state  # plain and small
+    scope.finish()
+    resumed = Scope(console=False, hang_timeout=None)
+    resumed.load_state_dict(state)
+    model = torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    resumed.watch(model, opt)
+    for _ in range(20):
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    resumed.finish()
+    assert resumed.run_dir == tmp_path
+    data = summarize(load_run(tmp_path).arrays, load_run(tmp_path).context).to_dict()
+    assert data["run"]["steps"] == 50 and data["run"]["restarts"] == 1
+
+
+def test_an_internal_error_disables_the_scope_and_training_goes_on(tmp_path, capsys):
+    scope, model, loader = train(tmp_path, epochs=1, steps_per_epoch=5)
+    scope.recorder.mark = None  # the next hook call raises inside the scope
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for xb, _ in loader:
+        model(xb).sum().backward()
+        opt.step()
+    assert not scope.enabled and "scope disabled, training continues" in capsys.readouterr().err
+    scope.finish()
+
+
+def test_stuck_single_process_loop_is_reported_with_its_stack(tmp_path):
+    script = textwrap.dedent(f"""
+        import time, torch
+        from pytscope_core import Scope
+        model = torch.nn.Linear(4, 1); opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        scope = Scope({str(tmp_path)!r}, console=False, hang_timeout=2.0)
+        scope.watch(model, opt)
+        for step in range(1, 100):
+            if step == 8:
+                while True:
+                    pass  # stuck
+            model(torch.randn(2, 4)).sum().backward(); opt.step(); opt.zero_grad()
+    """)
+    (tmp_path / "job.py").write_text(script)
+    proc = subprocess.run(
+        [sys.executable, str(tmp_path / "job.py")], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == HANG_EXIT_CODE, proc.stderr
+    hang = [
+        f
+        for f in summarize(load_run(tmp_path).arrays, load_run(tmp_path).context).findings
+        if f.code == "DIST.HANG"
+    ]
+    assert hang and hang[0].ranks == (0,)
+    assert "stuck" in (tmp_path / "stacks" / "rank0.txt").read_text()
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("scenario, code", [("input", "DATA.INPUT_BOUND"), ("spike", "CONVERGENCE.SPIKE")])
+def test_demo_scenarios_find_their_fault(tmp_path, capsys, scenario, code):
+    assert main(["demo", "--scenario", scenario, "--run-dir", str(tmp_path / "run")]) == 0
+    capsys.readouterr()
+    assert main(["report", str(tmp_path / "run"), "--json"]) == 0
+    found = {f["code"] for f in json.loads(capsys.readouterr().out)["findings"]}
+    assert code in found
