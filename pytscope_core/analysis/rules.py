@@ -171,7 +171,10 @@ COMM_MIN_MS = 0.5
 def comm_bound(a: RunAnalysis) -> list[Finding]:
     """Exposed *transfer* (never sync wait) is a large share of the step, above an absolute floor."""
     d = a.distributed
-    if not (d.transfer_share >= COMM_MIN_SHARE and d.transfer_ms >= COMM_MIN_MS):
+    # The typical step must be comm-bound too: a few steps where every rank waited (a preempted collective
+    # on oversubscribed cores) raise the mean share without making the job communication-bound.
+    typical_share = d.transfer_ms / a.timing.median_ms if a.timing.median_ms > 0 else 0.0
+    if not (min(d.transfer_share, typical_share) >= COMM_MIN_SHARE and d.transfer_ms >= COMM_MIN_MS):
         return []
     return [
         Finding(
