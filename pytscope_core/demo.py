@@ -15,7 +15,7 @@ from typing import Any
 
 SCENARIOS = ("straggler", "healthy", "hang", "input", "spike")
 STRAGGLER_SPIN_MS = 4.0  # extra local work of the slow rank per step
-INPUT_SPIN_MS = 6.0  # extra time per batch in the data loader's collate (every rank)
+INPUT_SPIN_MS = 6.0  # extra time per batch in the data loader (every rank)
 SPIKE_STEPS = (160, 230)  # steps whose inputs are scaled up, so the loss really jumps
 HANG_STEP = 30  # step at which the last rank stops joining the collectives
 
@@ -108,25 +108,28 @@ def _worker(rank: int, world: int, port: int, options: dict[str, Any]) -> None:
 
 def _job(rank: int, world: int, steps: int, input_spin_ms: float) -> tuple[Any, Any]:
     import torch
-    from torch.utils.data import DataLoader, TensorDataset
+    from torch.utils.data import BatchSampler, DataLoader, TensorDataset
     from torch.utils.data.distributed import DistributedSampler
 
-    batch = 256
+    batch = 1024
     gen = torch.Generator().manual_seed(0)
     teacher = torch.randn(64, 10, generator=gen)
     x = torch.randn(steps * batch * world, 64, generator=gen)
     y = (x @ teacher).argmax(dim=1)
     dataset = TensorDataset(x, y)
 
-    def collate(items: list[Any]) -> Any:
+    def fetch(batch: Any) -> Any:
         if input_spin_ms:
             spin(input_spin_ms)
-        return torch.stack([i[0] for i in items]), torch.stack([i[1] for i in items])
+        return batch
 
+    # Whole batches by index (one gather per tensor), as a fast in-memory pipeline would do.
     sampler: DistributedSampler[Any] = DistributedSampler(
         dataset, num_replicas=world, rank=rank, shuffle=True, seed=0
     )
-    loader = DataLoader(dataset, batch_size=batch, sampler=sampler, collate_fn=collate)
+    loader = DataLoader(
+        dataset, batch_size=None, sampler=BatchSampler(sampler, batch, drop_last=True), collate_fn=fetch
+    )
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         torch.nn.Linear(64, 256),

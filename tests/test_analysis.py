@@ -310,3 +310,14 @@ def test_low_mfu_only_when_known():
     assert "EFFICIENCY.LOW_MFU" not in codes(diagnose(arrays, RunContext(world_size=2)))
     ctx = RunContext(world_size=2, flops_per_step=1e9, peak_flops=1e15)
     assert "EFFICIENCY.LOW_MFU" in codes(diagnose(arrays, ctx, strict=True))
+
+
+def test_jitter_names_the_phase_that_grows_in_slow_steps():
+    rng = np.random.default_rng(3)
+    phases = np.tile(np.array([0.3, 2.0, 4.0, 0.5, 0.3, 0.2]), (400, 2, 1)) * rng.uniform(
+        0.97, 1.03, (400, 2, 6)
+    )
+    phases[::8, :, 3] += 6.0  # every 8th step the all-reduce stalls on both ranks
+    findings = diagnose(RunArrays.from_arrays(phases), RunContext(world_size=2))
+    jitter = [f for f in findings if f.code == "TIMING.JITTER"]
+    assert jitter and "`comm` grows the most" in jitter[0].detail

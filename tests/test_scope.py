@@ -137,5 +137,9 @@ def test_demo_scenarios_find_their_fault(tmp_path, capsys, scenario, code):
     assert main(["demo", "--scenario", scenario, "--run-dir", str(tmp_path / "run")]) == 0
     capsys.readouterr()
     assert main(["report", str(tmp_path / "run"), "--json"]) == 0
-    found = {f["code"] for f in json.loads(capsys.readouterr().out)["findings"]}
+    found = {f["code"]: f for f in json.loads(capsys.readouterr().out)["findings"]}
     assert code in found
+    if scenario == "spike":
+        from pytscope_core.demo import SPIKE_STEPS
+
+        assert set(SPIKE_STEPS) <= set(found[code]["steps"])  # the injected steps, not only their aftermath

@@ -101,7 +101,8 @@ def loss_trend(loss: np.ndarray) -> LossTrend:
 
 
 def find_spikes(loss: np.ndarray, steps: np.ndarray) -> tuple[Spike, ...]:
-    """Upward jumps far above the trailing median; a run of consecutive spike steps counts once (its peak)."""
+    """Upward jumps far above the trailing median; a run of consecutive spike steps counts once: at its
+    first step, with its peak loss."""
     ok = np.isfinite(loss)
     x, st = loss[ok], steps[ok]
     med, mad = stats.trailing_median_mad(x, SPIKE_WINDOW)
@@ -117,7 +118,8 @@ def find_spikes(loss: np.ndarray, steps: np.ndarray) -> tuple[Spike, ...]:
     # The highest point of each consecutive run: order by loss so the last write per group wins.
     order = np.argsort(x[idx], kind="stable")
     peaks[group[order]] = idx[order]
-    return tuple(Spike(int(st[i]), float(x[i]), float(med[i])) for i in peaks)
+    onsets = idx[starts]  # the step that started the run is the one to look at (its batch, its update)
+    return tuple(Spike(int(st[o]), float(x[p]), float(med[o])) for o, p in zip(onsets, peaks, strict=True))
 
 
 def first_nonfinite(arrays: RunArrays) -> tuple[int | None, tuple[int, ...]]:

@@ -474,12 +474,21 @@ def jitter(a: RunAnalysis) -> list[Finding]:
             detail=(
                 f"p95 step {t.p95_ms:.2f} ms vs median {t.median_ms:.2f} ms (x{ratio:.2f}); time above the "
                 f"median step is {_pct(t.jitter_cost_share)} of wall."
+                + (
+                    f" In the slowest 10% of steps `{t.jitter_phase}` grows the most (+{t.jitter_phase_ms:.2f} ms)."
+                    if t.jitter_phase
+                    else ""
+                )
             ),
             recommendation=(
                 "Look for periodic work inside steps (logging, checkpointing, garbage collection, data loader "
                 "worker restarts) and for other jobs sharing the host; `pytscope trace` shows which phase grows."
             ),
-            evidence={"p95_ratio": ratio, "cost_share": t.jitter_cost_share},
+            evidence={
+                "p95_ratio": ratio,
+                "cost_share": t.jitter_cost_share,
+                "phase_growth_ms": t.jitter_phase_ms,
+            },
         )
     ]
 

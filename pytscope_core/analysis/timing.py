@@ -32,6 +32,8 @@ class StepTiming:
     mean_ms: float
     phases: tuple[PhaseTiming, ...]
     jitter_cost_share: float  # wall above the median step, as a share of all wall: what instability costs
+    jitter_phase: str | None = None  # the phase that grows most in the slowest 10% of steps
+    jitter_phase_ms: float = 0.0  # by how much (median over slow steps - median over typical steps)
 
     def phase(self, name: str) -> PhaseTiming:
         return next(p for p in self.phases if p.name == name)
@@ -74,6 +76,7 @@ def step_timing(arrays: RunArrays, wall: np.ndarray, phase_ms: np.ndarray) -> St
     medians = np.median(pm, axis=0) if pm.shape[0] else np.full(len(PHASES), np.nan)
     median = float(np.median(w)) if w.size else math.nan
     jitter = float(np.clip(w - median, 0, None).sum() / w.sum()) if w.size and w.sum() > 0 else 0.0
+    grows, grows_ms = _phase_that_grows(wall[sel], phase_ms[sel])
     return StepTiming(
         steps_counted=int(w.size),
         median_ms=median,
@@ -81,4 +84,19 @@ def step_timing(arrays: RunArrays, wall: np.ndarray, phase_ms: np.ndarray) -> St
         mean_ms=float(w.mean()) if w.size else math.nan,
         phases=tuple(PhaseTiming(name, float(shares[i]), float(medians[i])) for i, name in enumerate(PHASES)),
         jitter_cost_share=jitter,
+        jitter_phase=grows,
+        jitter_phase_ms=grows_ms,
     )
+
+
+def _phase_that_grows(wall: np.ndarray, phase_ms: np.ndarray) -> tuple[str | None, float]:
+    """Which phase makes slow steps slow: its median over the slowest 10% of steps minus over typical ones."""
+    ok = np.isfinite(wall) & np.all(np.isfinite(phase_ms), axis=1)
+    wall, phase_ms = wall[ok], phase_ms[ok]
+    if wall.size < 20:
+        return None, 0.0
+    slow = wall >= np.quantile(wall, 0.9)
+    typical = wall <= np.median(wall)
+    growth = np.median(phase_ms[slow], axis=0) - np.median(phase_ms[typical], axis=0)
+    i = int(np.argmax(growth))
+    return (PHASES[i], float(growth[i])) if growth[i] > 0 else (None, 0.0)
