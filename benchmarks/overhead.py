@@ -36,7 +36,6 @@ import statistics
 import sys
 import tempfile
 import time
-import types
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -177,9 +176,7 @@ def accelerate_block(cfg: Config, steps: int, with_scope: bool, run_dir: Path) -
     scope = None
     if with_scope:
         scope = AccelerateScope(accelerator, run_dir, interval=50, console=False)
-        # Not the prepared loader: watching it fails today (DataLoaderShard's `__class__` is a read-only
-        # property, hooks.py watch_loader assigns it); the forward pre-hook is then the loop top.
-        scope.watch(model, opt)
+        scope.watch(model, opt, loader)
     times: list[float] = []
     last = time.perf_counter()
     for x, y in loader:
@@ -317,6 +314,23 @@ def compare(path: str, cfg: Config, pairs: int, steps: int, skip: int, tmp: Path
 # -- the hot path alone -----------------------------------------------------------------------------------------
 
 
+class _Tiny:
+    """A one-weight model with nn.Module's call path, built lazily so the module imports without torch."""
+
+    def __new__(cls) -> Any:
+        import torch
+
+        class Tiny(torch.nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.w = torch.nn.Parameter(torch.ones(4))
+
+            def forward(self, x: Any) -> Any:
+                return (self.w * x).sum()
+
+        return Tiny()
+
+
 def _tiny_graph() -> tuple[Any, Any]:
     import torch
 
@@ -333,16 +347,15 @@ def recording_cost_us(steps: int, blocks: int) -> dict[str, float]:
 
     from pytscope_core.hooks import TorchHooks
     from pytscope_core.recorder import StepRecorder
+    from pytscope_core.timeline import Mark
 
-    w, x = _tiny_graph()
-    module = types.SimpleNamespace(training=True)
+    _, x = _tiny_graph()
     batch = (x, x)
     rec = StepRecorder()
     hooks = TorchHooks(rec, _raise)
-    hooks.watch_model(torch.nn.Identity())  # sets the engine's queue_callback; these module hooks go unused
-    hooks.remove()
-    hooks.active = True
     hooks.loader_watched = True
+    watched, bare = _Tiny(), _Tiny()
+    hooks.watch_model(watched)  # instance forward wrapper + persistent gradient-ready hooks
     drain_ns: list[int] = [0, 0]  # total ns, steps drained
 
     def drain() -> None:
@@ -365,15 +378,13 @@ def recording_cost_us(steps: int, blocks: int) -> dict[str, float]:
         return spent / n / 1e3
 
     def bare_backward() -> None:
-        (w * x).sum().backward()
+        bare(x).backward()
 
     def full_step() -> None:
         hooks.data_begin()
         hooks.data_end(batch)
-        hooks._forward_pre(module, batch)
-        out = (w * x).sum()
-        hooks._forward_post(module, batch, out)  # marks forward end, puts the hook on the output
-        out.backward()  # output hook -> backward begin, graph done, backward end (two engine callbacks)
+        out = watched(x)  # the wrapper marks forward begin and end
+        out.backward()  # gradient-ready hook: backward begin; engine callback: graph done (no sync: no 2nd)
         hooks._optimizer_pre(None, (), {})
         hooks._optimizer_post(None, (), {})
 
@@ -383,12 +394,11 @@ def recording_cost_us(steps: int, blocks: int) -> dict[str, float]:
     def marks_only() -> None:
         hooks.data_begin()
         hooks.data_end(batch)
-        hooks._forward_pre(module, batch)
-        rec.mark(5)  # FORWARD_END
-        rec.count_micro_batch(1.0)
-        rec.mark(6)  # BACKWARD_BEGIN
-        rec.mark(7)  # GRAPH_DONE
-        rec.mark(8)  # BACKWARD_END
+        rec.mark(Mark.FORWARD_BEGIN)
+        hooks.forward_done(None, grad_sync=False)
+        rec.mark(Mark.BACKWARD_BEGIN)
+        rec.mark(Mark.GRAPH_DONE)
+        rec.mark(Mark.BACKWARD_END)
         hooks._optimizer_pre(None, (), {})
         hooks._optimizer_post(None, (), {})
 

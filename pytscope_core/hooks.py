@@ -19,6 +19,18 @@ from typing import Any
 from .recorder import StepRecorder
 from .timeline import Mark
 
+# Plain ints for the hot path (an enum member lookup costs more than the append it feeds).
+_BACKWARD_BEGIN = int(Mark.BACKWARD_BEGIN)
+_BACKWARD_END = int(Mark.BACKWARD_END)
+_DATA_BEGIN = int(Mark.DATA_BEGIN)
+_DATA_END = int(Mark.DATA_END)
+_FORWARD_BEGIN = int(Mark.FORWARD_BEGIN)
+_FORWARD_END = int(Mark.FORWARD_END)
+_GRAPH_DONE = int(Mark.GRAPH_DONE)
+_OPTIMIZER_BEGIN = int(Mark.OPTIMIZER_BEGIN)
+_PAUSE_BEGIN = int(Mark.PAUSE_BEGIN)
+_PAUSE_END = int(Mark.PAUSE_END)
+
 
 def batch_size(batch: Any, _depth: int = 0) -> float:
     """Leading dimension of the first tensor found in a batch (tensor, sequence or mapping), else NaN."""
@@ -165,10 +177,10 @@ class TorchHooks:
                 return forward(*args, **kwargs)
             try:
                 if self.loader_watched:
-                    rec.mark(Mark.FORWARD_BEGIN)
+                    rec.mark(_FORWARD_BEGIN)
                 else:
                     self._batch_samples = batch_size(args)
-                    rec.loop_top(Mark.FORWARD_BEGIN)
+                    rec.loop_top(_FORWARD_BEGIN)
             except Exception as exc:
                 self._on_error(exc)
             output = forward(*args, **kwargs)
@@ -194,7 +206,7 @@ class TorchHooks:
         rec = self.recorder
         if not rec.in_step:
             return
-        rec.mark(Mark.FORWARD_END)
+        rec.mark(_FORWARD_END)
         rec.count_micro_batch(self._batch_samples)
         self._sync_pending = grad_sync
         if not self._grad_hooks and output is not None:
@@ -212,7 +224,7 @@ class TorchHooks:
         if not self.active or self._in_backward:
             return
         self._in_backward = True
-        self.recorder.mark(Mark.BACKWARD_BEGIN)
+        self.recorder.mark(_BACKWARD_BEGIN)
         assert self._queue_callback is not None
         self._queue_callback(self._graph_done)
 
@@ -232,7 +244,7 @@ class TorchHooks:
 
     def _graph_done(self) -> None:
         try:
-            self.recorder.mark(Mark.GRAPH_DONE)
+            self.recorder.mark(_GRAPH_DONE)
             if self._ready_order is not None:
                 self._keep_first_ready()
             if self._sync_pending:
@@ -260,7 +272,7 @@ class TorchHooks:
 
     def _backward_end(self) -> None:
         try:
-            self.recorder.mark(Mark.BACKWARD_END)
+            self.recorder.mark(_BACKWARD_END)
             if self._sync_pending:
                 self.recorder.count_grad_sync()
                 self._sync_pending = False
@@ -272,7 +284,7 @@ class TorchHooks:
     # -- optimizer ------------------------------------------------------------------------------------
     def _optimizer_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self.active:
-            self._guard(self.recorder.mark, Mark.OPTIMIZER_BEGIN)
+            self._guard(self.recorder.mark, _OPTIMIZER_BEGIN)
 
     def _optimizer_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self.active:
@@ -304,18 +316,18 @@ class TorchHooks:
         """Loop top: the wait for the next batch starts."""
         rec = self.recorder
         if self._epoch_paused:
-            rec.mark(Mark.PAUSE_END)
+            rec.mark(_PAUSE_END)
             self._epoch_paused = False
-        rec.loop_top(Mark.DATA_BEGIN)
+        rec.loop_top(_DATA_BEGIN)
 
     def data_end(self, batch: Any) -> None:
-        self.recorder.mark(Mark.DATA_END)
+        self.recorder.mark(_DATA_END)
         self._batch_samples = batch_size(batch)
 
     def epoch_end(self) -> None:
         # Between epochs (evaluation, checkpointing) is not part of any step.
-        self.recorder.mark(Mark.DATA_END)
-        self.recorder.mark(Mark.PAUSE_BEGIN)
+        self.recorder.mark(_DATA_END)
+        self.recorder.mark(_PAUSE_BEGIN)
         self._epoch_paused = True
 
     _epoch_paused = False

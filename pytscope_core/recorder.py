@@ -12,7 +12,7 @@ import math
 import resource
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -20,6 +20,8 @@ from .clocks import Clock, HostClock
 from .records import COL, NCOLS, PHASE_COLS
 from .timeline import Mark, attribute_many
 
+# Plain ints for the hot path (an enum member lookup costs more than the append it feeds).
+_STEP_START, _STEP_END, _OPTIMIZER_END = int(Mark.STEP_START), int(Mark.STEP_END), int(Mark.OPTIMIZER_END)
 _RSS_UNIT = 1 if sys.platform == "darwin" else 1024  # ru_maxrss is bytes on macOS, KiB on Linux
 
 
@@ -27,32 +29,19 @@ def host_peak_rss() -> float:
     return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * _RSS_UNIT)
 
 
-class ClosedStep:
-    """One finished step, still as raw marks (timestamps resolve lazily, e.g. CUDA events)."""
+class ClosedStep(NamedTuple):
+    """One finished step, still as raw marks (timestamps resolve lazily, e.g. CUDA events). A tuple: it is
+    built on the hot path, once per step."""
 
-    __slots__ = ("step", "host_start_ns", "marks", "stamps", "loss", "samples", "mem", "syncs", "micro")
-
-    def __init__(
-        self,
-        step: int,
-        host_start_ns: int,
-        marks: list[int],
-        stamps: list[Any],
-        loss: Any,
-        samples: float,
-        mem: float,
-        syncs: int,
-        micro: int,
-    ) -> None:
-        self.step = step
-        self.host_start_ns = host_start_ns
-        self.marks = marks
-        self.stamps = stamps
-        self.loss = loss
-        self.samples = samples
-        self.mem = mem
-        self.syncs = syncs
-        self.micro = micro
+    step: int
+    host_start_ns: int
+    marks: list[int]
+    stamps: list[Any]
+    loss: Any
+    samples: float
+    mem: float
+    syncs: int
+    micro: int
 
 
 class StepRecorder:
@@ -102,7 +91,7 @@ class StepRecorder:
         self._stamps.append(self._now())
 
     def optimizer_stepped(self) -> None:
-        self._marks.append(Mark.OPTIMIZER_END)
+        self._marks.append(_OPTIMIZER_END)
         self._stamps.append(self._now())
         self._stepped = True
 
@@ -136,16 +125,17 @@ class StepRecorder:
     def _open_step(self) -> None:
         self._open = True
         self._stepped = False
-        self._host_start = self._host_ns()
-        self._marks = [Mark.STEP_START]
-        self._stamps = [self._now()]
+        now = self._now()
+        self._host_start = now if self.clock.__class__ is HostClock else self._host_ns()
+        self._marks = [_STEP_START]
+        self._stamps = [now]
         self._loss = None
         self._samples = 0.0
         self._step_syncs = 0
         self._step_micro = 0
 
     def _close_step(self) -> None:
-        self._marks.append(Mark.STEP_END)
+        self._marks.append(_STEP_END)
         self._stamps.append(self._now())
         self.steps_done += 1
         self.grad_syncs += self._step_syncs
