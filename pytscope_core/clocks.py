@@ -11,11 +11,13 @@ import time
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+import numpy as np
+
 
 class Clock(Protocol):
     def now(self) -> Any: ...
 
-    def to_ms(self, stamps: Sequence[Any]) -> list[float]: ...
+    def to_ms(self, stamps: Sequence[Any]) -> Any: ...  # float ms, one per stamp (list or array)
 
 
 class HostClock:
@@ -24,8 +26,8 @@ class HostClock:
     now = staticmethod(time.perf_counter_ns)
 
     @staticmethod
-    def to_ms(stamps: Sequence[Any]) -> list[float]:
-        return [s / 1e6 for s in stamps]
+    def to_ms(stamps: Sequence[Any]) -> Any:
+        return np.asarray(stamps, dtype=np.float64) / 1e6
 
 
 class CudaEventClock:

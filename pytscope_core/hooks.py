@@ -34,6 +34,8 @@ _PAUSE_END = int(Mark.PAUSE_END)
 
 def batch_size(batch: Any, _depth: int = 0) -> float:
     """Leading dimension of the first tensor found in a batch (tensor, sequence or mapping), else NaN."""
+    if type(batch) in (tuple, list) and batch and hasattr(batch[0], "shape"):  # (inputs, targets): the usual
+        batch = batch[0]
     shape = getattr(batch, "shape", None)
     if shape is not None and len(shape) > 0:
         return float(shape[0])
@@ -173,7 +175,8 @@ class TorchHooks:
         rec = self.recorder
 
         def timed(*args: Any, **kwargs: Any) -> Any:
-            if not (self.active and module.training and is_grad_enabled()) or self._outside_training():
+            # Recomputation inside backward, and evaluation in a pause or between epochs, are not training.
+            if self._quiet or not module.training or not is_grad_enabled():
                 return forward(*args, **kwargs)
             try:
                 if self.loader_watched:
@@ -186,28 +189,26 @@ class TorchHooks:
             output = forward(*args, **kwargs)
             try:
                 # DDP decides in forward whether this backward all-reduces (no_sync() turns it off).
-                self.forward_done(
-                    output,
-                    grad_sync=self.is_ddp and bool(getattr(module, "require_backward_grad_sync", True)),
-                )
+                self.forward_done(output, self.is_ddp and module.require_backward_grad_sync)
             except Exception as exc:
                 self._on_error(exc)
             return output
 
         return timed
 
-    def _outside_training(self) -> bool:
-        # Recomputation inside backward, and evaluation in a pause or between epochs, are not training forwards.
-        return self._in_backward or self.paused or self._epoch_paused
+    @property
+    def _quiet(self) -> bool:
+        return not self.active or self._in_backward or self.paused or self._epoch_paused
 
     def forward_done(self, output: Any, grad_sync: bool) -> None:
         """End of a micro-batch's forward. Without gradient-ready hooks (`watch_backward`), the backward is
         timed through a hook on `output` instead."""
         rec = self.recorder
-        if not rec.in_step:
+        if not rec._open:
             return
         rec.mark(_FORWARD_END)
-        rec.count_micro_batch(self._batch_samples)
+        rec._step_micro += 1
+        rec._samples += self._batch_samples
         self._sync_pending = grad_sync
         if not self._grad_hooks and output is not None:
             t = first_grad_tensor(output)
@@ -256,7 +257,7 @@ class TorchHooks:
             self._in_backward = False
             self._on_error(exc)
 
-    def _keep_first_ready(self, keep: int = 3) -> None:
+    def _keep_first_ready(self, keep: int = 2) -> None:
         # A few, not one: a parameter unused in some step must not leave that backward untimed.
         order, self._ready_order = self._ready_order or [], None
         first = {id(p) for p in order[:keep]}
@@ -297,13 +298,20 @@ class TorchHooks:
     def next_batch(self, it: Iterator[Any]) -> Any:
         if not self.active or self.paused:  # e.g. evaluating over the training loader inside a pause
             return next(it)
-        self._guard(self.data_begin)
+        try:
+            self.data_begin()
+        except Exception as exc:
+            self._on_error(exc)
         try:
             batch = next(it)
         except StopIteration:
             self._guard(self.epoch_end)
             raise
-        self._guard(self.data_end, batch)
+        try:
+            self.recorder.mark(_DATA_END)
+            self._batch_samples = batch_size(batch)
+        except Exception as exc:
+            self._on_error(exc)
         return batch
 
     def _guard(self, hook: Callable[..., None], *args: Any) -> None:

@@ -57,7 +57,11 @@ class StepRecorder:
         self._now = self.clock.now
         self._memory = memory
         self._host_ns = host_ns or HostClock.now
-        self.on_step_closed: Callable[[], None] | None = None  # the scope's gather check
+        self.on_step_closed: Callable[[], None] | None = None  # the scope's gather check...
+        self.notify_at = 0  # ...called once the gather key (below) reaches this
+        self.notify_on_syncs = False  # key: gradient syncs (DDP) or optimizer steps
+        self._memory_every = 8  # host RSS is a syscall: read it every 8th step (its peak only grows)
+        self._last_memory = math.nan
         self.steps_done = 0  # optimizer steps completed, counting those before a resume
         self.grad_syncs = 0
         self.micro_batches = 0
@@ -82,8 +86,9 @@ class StepRecorder:
         """A mark where a new iteration may begin (fetching data, or the forward when no loader is watched)."""
         if self._stepped:
             self._close_step()
-            if self.on_step_closed is not None:
-                self.on_step_closed()  # may gather: the next step starts after it
+            if (self.grad_syncs if self.notify_on_syncs else self.steps_done) >= self.notify_at:
+                if self.on_step_closed is not None:
+                    self.on_step_closed()  # may gather: the next step starts after it
             self._open_step()
         elif not self._open:
             self._open_step()
@@ -140,6 +145,8 @@ class StepRecorder:
         self.steps_done += 1
         self.grad_syncs += self._step_syncs
         self.micro_batches += self._step_micro
+        if self.steps_done % self._memory_every == 0 or self._last_memory != self._last_memory:
+            self._last_memory = self._memory()
         self.window.append(
             ClosedStep(
                 self.steps_done,
@@ -148,7 +155,7 @@ class StepRecorder:
                 self._stamps,
                 self._loss,
                 self._samples if self._step_micro else math.nan,
-                self._memory(),
+                self._last_memory,
                 self._step_syncs,
                 self._step_micro,
             )
@@ -171,27 +178,20 @@ class StepRecorder:
         rows = np.full((len(window), NCOLS), np.nan)
         if not window:
             return rows
-        flat = [s for w in window for s in w.stamps]
-        ms = self.clock.to_ms(flat)
-        times, pos = [], 0
-        for w in window:
-            times.append(ms[pos : pos + len(w.stamps)])
-            pos += len(w.stamps)
-        timed = attribute_many([w.marks for w in window], times)
+        ms = self.clock.to_ms([s for w in window for s in w.stamps])
+        timed = attribute_many([w.marks for w in window], ms)
+        meta = np.array(
+            [(w.step, w.host_start_ns, w.samples, w.mem, w.syncs, w.micro) for w in window], dtype=np.float64
+        )
         rows[:, COL["rank"]] = rank
         rows[:, COL["segment"]] = segment
-        rows[:, COL["step"]] = [w.step for w in window]
-        rows[:, COL["start_s"]] = (
-            np.array([w.host_start_ns for w in window], dtype=np.float64) / 1e9 + epoch_offset_s
-        )
+        rows[:, COL["step"]] = meta[:, 0]
+        rows[:, COL["start_s"]] = meta[:, 1] / 1e9 + epoch_offset_s
         rows[:, list(PHASE_COLS)] = timed[:, : len(PHASE_COLS)]
         rows[:, COL["excluded_ms"]] = timed[:, len(PHASE_COLS)]
         rows[:, COL["wall_ms"]] = timed[:, len(PHASE_COLS) + 1]
         rows[:, COL["loss"]] = _losses_to_floats([w.loss for w in window])
-        rows[:, COL["samples"]] = [w.samples for w in window]
-        rows[:, COL["mem_bytes"]] = [w.mem for w in window]
-        rows[:, COL["grad_syncs"]] = [w.syncs for w in window]
-        rows[:, COL["micro_batches"]] = [w.micro for w in window]
+        rows[:, [COL["samples"], COL["mem_bytes"], COL["grad_syncs"], COL["micro_batches"]]] = meta[:, 2:]
         return rows
 
 
@@ -211,7 +211,10 @@ def _losses_to_floats(losses: list[Any]) -> list[float]:
     if tensors:
         import torch
 
-        values = torch.stack([t.detach().float().reshape(()) for t in tensors]).cpu().tolist()
-        for i, v in zip(where, values, strict=False):
+        if all(t.device.type == "cpu" and t.numel() == 1 for t in tensors):
+            values = [t.item() for t in tensors]
+        else:  # one stack and one copy for the window: at most one device sync per gather
+            values = torch.stack([t.detach().float().mean() for t in tensors]).cpu().tolist()
+        for i, v in zip(where, values, strict=True):
             out[i] = v
     return out

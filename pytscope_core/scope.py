@@ -159,6 +159,7 @@ class Scope:
         self.recorder.clock = CudaEventClock()
         self.recorder._now = self.recorder.clock.now
         self.recorder._memory = _cuda_peak_memory
+        self.recorder._memory_every = 1  # the allocator peak is reset every step
 
     def watch_backward(self, model: Any) -> None:
         """Time backward and exposed gradient communication from `model`'s parameters (integrations that mark
@@ -268,7 +269,7 @@ class Scope:
         self.resumed_from_step = self.recorder.steps_done
         if not self._explicit_run_dir and state.get("run_dir"):
             self.run_dir = Path(state["run_dir"])
-        self._next_gather = (self._gather_key() // self.interval + 1) * self.interval
+        self.recorder.notify_at = 0  # the next step boundary re-decides when to gather
 
     # -- start ----------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -386,21 +387,26 @@ class Scope:
 
     # -- per step -------------------------------------------------------------------------------------
     def _gather_key(self) -> int:
-        # DDP keeps the count of completed all-reduces equal on all ranks: a safe place to meet.
         rec = self.recorder
-        if self.hooks.is_ddp and (rec.grad_syncs > 0 or rec.steps_done < 2 * self.interval):
-            return rec.grad_syncs
-        return rec.steps_done
+        return rec.grad_syncs if rec.notify_on_syncs else rec.steps_done
 
     def _after_step(self) -> None:
+        """Called by the recorder when a step closes with the gather key at or past `recorder.notify_at`."""
         if not self.enabled:
             return
         try:
+            rec = self.recorder
             if not self._started:
                 self.start()
-            if self._gather_key() >= self._next_gather:
+                # DDP keeps the count of completed all-reduces equal on all ranks: a safe place to meet,
+                # even for a rank that took one optimizer step more or less. Without DDP (or if syncs are
+                # not seen), optimizer steps.
+                rec.notify_on_syncs = self.hooks.is_ddp and rec.grad_syncs > 0
+                self._next_gather = (self._gather_key() // self.interval + 1) * self.interval
+            elif self._gather_key() >= self._next_gather:
                 self._next_gather = (self._gather_key() // self.interval + 1) * self.interval
                 self._gather()
+            rec.notify_at = self._next_gather
         except Exception as exc:
             self.fail(exc)
 

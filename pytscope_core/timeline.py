@@ -95,22 +95,28 @@ def _pattern_matrix(marks: tuple[int, ...]) -> np.ndarray:
     return m
 
 
-def attribute_many(marks: Sequence[Sequence[int]], times_ms: Sequence[Sequence[float]]) -> np.ndarray:
+def attribute_many(marks: Sequence[Sequence[int]], times_ms: Sequence[float] | np.ndarray) -> np.ndarray:
     """`attribute` for a window of steps: (n, phases + 2) array of phase ms, excluded ms, wall ms.
 
-    Training loops repeat the same sequence of marks step after step, so steps are grouped by their sequence
-    and each group is one matrix product instead of a Python loop over marks.
+    `times_ms` is every step's timestamps one after another (flat). Training loops repeat the same sequence
+    of marks step after step, so steps are grouped by their sequence and each group is one matrix product
+    instead of a Python loop over marks.
     """
     n = len(marks)
     out = np.zeros((n, len(PHASES) + 2))
+    flat = np.asarray(times_ms, dtype=np.float64)
+    starts = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum([len(m) for m in marks], out=starts[1:])
     groups: dict[tuple[int, ...], list[int]] = {}
     for i, m in enumerate(marks):
         groups.setdefault(tuple(m), []).append(i)
     for pattern, idx in groups.items():
-        if len(pattern) < 2:
+        width = len(pattern)
+        if width < 2:
             continue
-        t = np.array([times_ms[i] for i in idx], dtype=np.float64)
+        rows = np.asarray(idx)
+        t = flat[starts[rows, None] + np.arange(width)]
         parts = np.diff(t, axis=1) @ _pattern_matrix(pattern)
-        out[idx, : len(PHASES) + 1] = parts
-        out[idx, len(PHASES) + 1] = (t[:, -1] - t[:, 0]) - parts[:, len(PHASES)]
+        out[rows, : len(PHASES) + 1] = parts
+        out[rows, len(PHASES) + 1] = (t[:, -1] - t[:, 0]) - parts[:, len(PHASES)]
     return out

@@ -18,7 +18,7 @@ class FakeClock:
 
     @staticmethod
     def to_ms(stamps):
-        return [s / 1e6 for s in stamps]
+        return [s / 1e6 for s in stamps]  # a plain list, as a custom clock may return
 
 
 def micro_batch(rec, samples=8.0):

@@ -82,7 +82,7 @@ def test_attribute_many_matches_attribute_on_random_sequences():
         t = sorted(rng.uniform(0, 50) for _ in seq)
         marks.append(seq)
         times.append(t)
-    many = attribute_many(marks, times)
+    many = attribute_many(marks, [t for ts in times for t in ts])
     for row, seq, t in zip(many, marks, times, strict=True):
         phases, excluded, wall = attribute(seq, t)
         assert np.allclose(row, [*phases, excluded, wall])
