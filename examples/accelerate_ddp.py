@@ -44,6 +44,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--run-dir", default=None, help="pytscope run directory (default runs/<timestamp>)")
     p.add_argument("--interval", type=int, default=50, help="steps between pytscope's cross-rank gathers")
     p.add_argument("--no-console", action="store_true", help="no live findings or summary on the console")
+    p.add_argument("--block-at", type=int, default=None, help="the last rank blocks forever at this step")
+    p.add_argument("--hang-timeout", type=float, default=None, help='seconds (default: "auto")')
     # Misuse that pytscope must survive (exercised by the tests):
     p.add_argument("--forget-finish", action="store_true", help="call neither finish() nor end_training()")
     p.add_argument("--finish-twice", action="store_true", help="call scope.finish() twice")
@@ -97,7 +99,13 @@ def main(argv: list[str] | None = None) -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
 
-    scope = AccelerateScope(accelerator, args.run_dir, interval=args.interval, console=not args.no_console)
+    scope = AccelerateScope(
+        accelerator,
+        args.run_dir,
+        interval=args.interval,
+        console=not args.no_console,
+        hang_timeout=args.hang_timeout or "auto",
+    )
     scope.watch(model, optimizer, loader)
     accelerator.register_for_checkpointing(scope)
 
@@ -119,6 +127,9 @@ def main(argv: list[str] | None = None) -> None:
         with accelerator.accumulate(model):
             if slow:
                 spin(STRAGGLER_SPIN_MS / args.grad_accum)
+            last_rank = accelerator.process_index == accelerator.num_processes - 1
+            if last_rank and accelerator.num_processes > 1 and step + 1 == args.block_at:
+                spin(3600e3)  # never reaches this step's all-reduce: the scope's watchdog ends the job
             loss = F.cross_entropy(model(x), y)
             accelerator.backward(loss)
             optimizer.step()

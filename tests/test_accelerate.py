@@ -12,6 +12,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -215,3 +216,15 @@ def test_live_metrics_reach_accelerate_trackers(tmp_path: Path, monkeypatch: pyt
         "pytscope/step_ms" in values and values["pytscope/step_ms"] > 0 for values, _ in tracker.logged
     )
     assert summary.run.steps == 30
+
+
+def test_blocked_rank_is_reported_as_hang_and_the_job_ends(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    start = time.monotonic()
+    proc = launch("--run-dir", str(run_dir), "--steps", "100", "--interval", "10", "--block-at", "30",
+                  "--hang-timeout", "5", ok=False)  # fmt: skip
+    assert proc.returncode != 0 and time.monotonic() - start < 60, proc.stderr[-3000:]
+    hang = [f for f in report(run_dir)["findings"] if f["code"] == "DIST.HANG"]
+    assert hang and hang[0]["ranks"] == [1] and hang[0]["steps"] == [30], hang
+    assert "spin" in (run_dir / "stacks" / "rank1.txt").read_text()
+    assert "Thread" in (run_dir / "stacks" / "rank0.txt").read_text()
