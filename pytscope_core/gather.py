@@ -8,6 +8,7 @@ records, padded to the longest window.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +41,14 @@ class Gatherer:
         self._dist.broadcast_object_list(box, src=0, group=self.group)
         return box[0]
 
+    def all_gather_ints(self, values: list[int]) -> list[list[int]]:
+        import torch
+
+        t = torch.tensor(values, dtype=torch.int64)
+        out = [torch.empty_like(t) for _ in range(self.world_size)]
+        self._dist.all_gather(out, t, group=self.group)
+        return [o.tolist() for o in out]
+
     def exchange(self, counters: tuple[float, ...], rows: np.ndarray) -> Exchange:
         import torch
 
@@ -58,7 +67,6 @@ class Gatherer:
         return Exchange(h, every[~np.isnan(every[:, 0])])
 
     def destroy(self) -> None:
-        try:
+        # Best effort at the end of a run: the default group may already be gone with ours in it.
+        with contextlib.suppress(Exception):
             self._dist.destroy_process_group(self.group)
-        except Exception:
-            pass

@@ -238,14 +238,7 @@ class Scope:
 
     def all_gather_ints(self, values: list[int]) -> list[list[int]] | None:
         """Every rank's `values` on the scope's own group (None if not distributed). Collective."""
-        if self._gatherer is None:
-            return None
-        import torch
-
-        t = torch.tensor(values, dtype=torch.int64)
-        out = [torch.empty_like(t) for _ in range(self.world_size)]
-        self._gatherer._dist.all_gather(out, t, group=self._gatherer.group)
-        return [o.tolist() for o in out]
+        return self._gatherer.all_gather_ints(values) if self._gatherer is not None else None
 
     def state_dict(self) -> dict[str, Any]:
         """Small, plain, rank-agnostic: the same on every rank of a healthy job."""
