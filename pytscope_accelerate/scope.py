@@ -1,6 +1,6 @@
 """`AccelerateScope`: pytscope on an Accelerate training loop, as a thin adapter over `pytscope_core.Scope`.
 
-The core already does the torch-level work on the objects `accelerator.prepare` returns: forward hooks on
+The core already does the torch-level work on the objects `accelerator.prepare` returns: forward timing on
 the (DDP-wrapped) model, exposed gradient communication through an autograd graph-done callback, step hooks
 on the torch optimizer inside `AcceleratedOptimizer` (which steps it only when gradients sync, so an
 `accelerator.accumulate` window is one step), and batch waits on the prepared loader instance. This adapter
@@ -11,7 +11,6 @@ set up), the scope's state travels with `accelerator.save_state` / `load_state` 
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import os
 from typing import Any
@@ -49,9 +48,6 @@ class AccelerateScope:
         )
         # Only rank 0 calls the sink, and accelerator.log only writes on the main process anyway.
         self.scope.metrics_sink = self._log_metrics
-        # The core's own exit hook holds the scope weakly; a user who forgets finish() usually lets the scope
-        # go out of scope when main() returns, and a garbage collection before exit would drop the summary.
-        atexit.register(self.finish)
 
     @property
     def run_dir(self) -> Any:
@@ -77,7 +73,6 @@ class AccelerateScope:
         Collective: every process calls it, before `accelerator.end_training()` destroys the process group.
         Idempotent; also runs at normal interpreter exit if forgotten.
         """
-        atexit.unregister(self.finish)
         return self.scope.finish()
 
     def state_dict(self) -> dict[str, Any]:

@@ -2,12 +2,13 @@
 
 Lightning runs `training_step` and backward inside the torch optimizer's `step(closure)`, so the optimizer's
 pre-hook would fire before the forward; the callback therefore marks the phases from Lightning's own hooks
-in their real order: the wait for a batch ends at `on_train_batch_start`, the forward ends and backward's
-timing hook goes onto the loss in `on_before_backward`, the optimizer starts at `on_before_optimizer_step`
-and ends at the torch optimizer's post-hook, and the next loop top starts at the end of `on_train_batch_end`.
-Validation, checkpoint saving and epoch boundaries are paused, so they are not charged to a step. All the
-logic (recording, gathers, diagnosis, the run directory, the summary) lives in `pytscope_core.Scope`; every
-hook here is a few lines, and an exception in any of them disables the scope, never the fit.
+in their real order: the wait for a batch ends at `on_train_batch_start`, the forward ends in
+`on_before_backward` (backward itself is timed by the core's gradient-ready hooks on the module's
+parameters), the optimizer starts at `on_before_optimizer_step` and ends at the torch optimizer's
+post-hook, and the next loop top starts at the end of `on_train_batch_end`. Validation, checkpoint saving
+and epoch boundaries are paused, so they are not charged to a step. All the logic (recording, gathers,
+diagnosis, the run directory, the summary) lives in `pytscope_core.Scope`; every hook here is a few lines,
+and an exception in any of them disables the scope, never the fit.
 """
 
 from __future__ import annotations
