@@ -199,6 +199,7 @@ def _gloo_worker(rank: int, world: int, port: int, slowdown: float, steps: int, 
     import torch.distributed as dist
     import torch.nn.functional as F
 
+    from pytscope_core.demo import demo_model
     from pytscope_core.scope import Scope
 
     torch.set_num_threads(1)
@@ -206,13 +207,7 @@ def _gloo_worker(rank: int, world: int, port: int, slowdown: float, steps: int, 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         torch.manual_seed(0)
-        model = torch.nn.Sequential(
-            torch.nn.Linear(64, 256),
-            torch.nn.ReLU(),
-            torch.nn.Linear(256, 256),
-            torch.nn.ReLU(),
-            torch.nn.Linear(256, 10),
-        )
+        model = demo_model()
         gen = torch.Generator().manual_seed(rank)
         batches = [
             (torch.randn(256, 64, generator=gen), torch.randint(0, 10, (256,), generator=gen))

@@ -131,11 +131,17 @@ def _job(rank: int, world: int, steps: int, input_spin_ms: float) -> tuple[Any, 
         dataset, batch_size=None, sampler=BatchSampler(sampler, batch, drop_last=True), collate_fn=fetch
     )
     torch.manual_seed(0)
-    model = torch.nn.Sequential(
+    return demo_model(), loader
+
+
+def demo_model() -> Any:
+    """The demo's small MLP (64 -> 256 -> 256 -> 10)."""
+    import torch
+
+    return torch.nn.Sequential(
         torch.nn.Linear(64, 256),
         torch.nn.ReLU(),
         torch.nn.Linear(256, 256),
         torch.nn.ReLU(),
         torch.nn.Linear(256, 10),
     )
-    return model, loader
