@@ -120,14 +120,19 @@ def calibrate(name: str, target_ms: float, batch: int, quick: bool) -> Config:
 
 
 def _train_loop(
-    model: Any, opt: Any, loader: Any, loss_fn: Callable[..., Any], scope: Any = None
+    model: Any,
+    opt: Any,
+    loader: Any,
+    loss_fn: Callable[..., Any],
+    scope: Any = None,
+    backward: Callable[[Any], None] = lambda loss: loss.backward(),
 ) -> list[float]:
     """Per-step wall times in ms, loop top to loop top."""
     times: list[float] = []
     last = time.perf_counter()
     for x, y in loader:
         loss = loss_fn(model(x), y)
-        loss.backward()
+        backward(loss)
         opt.step()
         opt.zero_grad(set_to_none=True)
         if scope is not None:
@@ -177,18 +182,7 @@ def accelerate_block(cfg: Config, steps: int, with_scope: bool, run_dir: Path) -
     if with_scope:
         scope = AccelerateScope(accelerator, run_dir, interval=50, console=False)
         scope.watch(model, opt, loader)
-    times: list[float] = []
-    last = time.perf_counter()
-    for x, y in loader:
-        loss = F.cross_entropy(model(x), y)
-        accelerator.backward(loss)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if scope is not None:
-            scope.log(loss=loss)
-        now = time.perf_counter()
-        times.append((now - last) * 1e3)
-        last = now
+    times = _train_loop(model, opt, loader, F.cross_entropy, scope, backward=accelerator.backward)
     if scope is not None:
         scope.finish()
         if scope.scope.errors:
