@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from pytscope_accelerate import AccelerateScope
 
-BATCH = 512  # enough compute per step that gradient communication is not the story on CPU
+BATCH = 1024  # enough compute per step that gradient communication is not the story on CPU
 STRAGGLER_SPIN_MS = 4.0
 
 

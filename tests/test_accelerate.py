@@ -67,10 +67,15 @@ def test_busy_rank_is_the_only_straggler(tmp_path: Path) -> None:
     assert s["distributed"]["stragglers"] == [1]
     straggler = [f for f in s["findings"] if f["code"] == "DIST.STRAGGLER"]
     assert [f["ranks"] for f in straggler] == [[1]]
-    # The straggler's bill is sync wait, not communication.
-    assert "DIST.COMM_BOUND" not in codes(s), s["distributed"]
-    local = {r["rank"]: r["local_ms"] for r in s["distributed"]["per_rank"]}
-    assert local[1] - local[0] > 2.0  # ~4 ms of busy-waiting per step on rank 1
+    per_rank = {r["rank"]: r for r in s["distributed"]["per_rank"]}
+    lag = per_rank[1]["local_ms"] - per_rank[0]["local_ms"]
+    assert lag > 2.0  # ~4 ms of busy-waiting per step on rank 1
+    # The fast rank's wait for the straggler is billed as sync wait, not as transfer: the transfer estimate
+    # is what the last rank to arrive pays. (Whether that transfer crosses DIST.COMM_BOUND's 20% depends on
+    # how fast gloo is on the machine, so the test does not assert on that finding.)
+    assert per_rank[0]["sync_wait_ms"] > 0.6 * lag, s["distributed"]
+    assert per_rank[1]["sync_wait_ms"] == pytest.approx(0.0, abs=0.05)
+    assert s["distributed"]["transfer_ms"] < per_rank[0]["comm_ms"] - 0.6 * lag
     shares = [p["share"] for p in s["timing"]["phases"].values()]
     assert sum(shares) == pytest.approx(1.0, abs=1e-6)
 
@@ -124,7 +129,7 @@ def test_gradient_accumulation_counts_optimizer_steps(tmp_path: Path) -> None:
         assert sorted(mine[:, COL["step"]]) == list(range(1, 11))  # 40 batches -> 10 steps
         assert (mine[:, COL["micro_batches"]] == 4).all()
         assert (mine[:, COL["grad_syncs"]] == 1).all()  # accumulate() skips the all-reduce 3 times in 4
-        assert (mine[:, COL["samples"]] == 4 * 512).all()
+        assert (mine[:, COL["samples"]] == 4 * 1024).all()  # the example's BATCH per micro-batch
     assert report(run_dir)["run"]["steps"] == 10
 
 

@@ -29,12 +29,13 @@ def test_busy_waiting_rank_is_named_and_its_wait_is_not_communication(tmp_path):
     assert s["distributed"]["stragglers"] == [1]
     straggler = [f for f in s["findings"] if f["code"] == "DIST.STRAGGLER"]
     assert straggler and straggler[0]["ranks"] == [1] and straggler[0]["severity"] in ("HIGH", "MED")
-    assert "DIST.COMM_BOUND" not in {f["code"] for f in s["findings"]}
+    # The fast rank's wait is the straggler's bill, billed as sync wait; the transfer estimate is what the
+    # last rank to arrive pays. (Whether that crosses DIST.COMM_BOUND's floor depends on gloo on the machine.)
     fast, slow = s["distributed"]["per_rank"]
-    assert (
-        fast["sync_wait_ms"] > 2.0 and slow["sync_wait_ms"] < 1.0
-    )  # the fast rank's wait is the straggler's bill
-    assert slow["local_ms"] - fast["local_ms"] > 2.0
+    lag = slow["local_ms"] - fast["local_ms"]
+    assert lag > 2.0
+    assert fast["sync_wait_ms"] > 0.6 * lag and slow["sync_wait_ms"] < 1.0, s["distributed"]
+    assert s["distributed"]["transfer_ms"] < fast["comm_ms"] - 0.6 * lag
 
 
 def test_healthy_run_is_clean(tmp_path):
