@@ -324,6 +324,7 @@ class Scope:
             self.on_hang,
             self._report_hang,
             prefix=f"{STORE_PREFIX}/{self.segment}",
+            disabled_key=f"{STORE_PREFIX}/disabled",
         )
         self._watchdog.start()
 
@@ -626,6 +627,8 @@ class Scope:
             return
         self.enabled = False
         self.hooks.active = False
+        if self._watchdog is not None:  # no marks come any more: watching for progress would call a hang
+            self._watchdog.stop()
         message = f"internal error, scope disabled, training continues: {type(exc).__name__}: {exc}"
         self.errors.append(message)
         _warn(self.rank, message)

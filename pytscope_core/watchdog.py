@@ -27,6 +27,7 @@ from .timeline import Mark
 
 HANG_EXIT_CODE = 86
 BEAT_S = 1.0  # heartbeat period: hang detection resolves to about this
+STOP_WAIT_S = 5.0  # at finish, how long to wait for a store call in flight before leaving the thread
 AUTO_MIN_S = 120.0  # "auto" timeout floor: startup, compilation and first checkpoints stay clear of it
 AUTO_STEP_FACTOR = 20.0  # "auto" timeout: this many times the slowest step seen after warm-up
 PAUSE_FACTOR = 4.0  # a rank paused (validation, checkpoint) gets this many timeouts before it counts as stuck
@@ -149,6 +150,7 @@ class Watchdog(threading.Thread):
         on_hang: str,
         report: Callable[[Finding], None],
         prefix: str = "pytscope",
+        disabled_key: str | None = None,
     ) -> None:
         super().__init__(name="pytscope-watchdog", daemon=True)
         self.recorder = recorder
@@ -160,6 +162,7 @@ class Watchdog(threading.Thread):
         self.on_hang = on_hang
         self.report = report
         self.prefix = prefix
+        self.disabled_key = disabled_key  # set in the store by a rank whose scope was disabled
         self.stopped = threading.Event()
         self.status = ""  # "gather", "finished" ... set by the scope around its own waits
         self._seen: tuple[int, int, int] = (-1, -1, -1)
@@ -168,8 +171,13 @@ class Watchdog(threading.Thread):
         self._step_seen = (recorder.steps_done, time.monotonic())
         self.slowest_step_s = 0.0  # longest gap between two step closes seen by this thread
 
-    def stop(self) -> None:
+    def stop(self, wait_s: float = STOP_WAIT_S) -> None:
+        """Stop and wait for the thread, so it is never inside a store call when the process exits: a daemon
+        thread that the interpreter ends in the middle of C++ code aborts the process ("terminate called
+        without an active exception")."""
         self.stopped.set()
+        if self.is_alive() and threading.current_thread() is not self:
+            self.join(wait_s)
 
     def run(self) -> None:
         while not self.stopped.wait(BEAT_S):
@@ -179,6 +187,8 @@ class Watchdog(threading.Thread):
                     self._on_hang_flag()
                     return
                 if self.rank == 0:
+                    if self._peer_disabled():  # its beats stop: judging it would call a hang
+                        return
                     finding = self._check()
                     if finding is not None:
                         self.report(finding)
@@ -228,6 +238,11 @@ class Watchdog(threading.Thread):
                     b["age_s"] = max(0.0, now - float(b["t"]))
                     beats[r] = b
         return classify_hang(beats, self.world_size, timeout)
+
+    def _peer_disabled(self) -> bool:
+        return (
+            self.store is not None and self.disabled_key is not None and self.store.check([self.disabled_key])
+        )
 
     def _hang_flag(self) -> bool:
         return self.store is not None and self.rank != 0 and bool(self.store.check([f"{self.prefix}/hang"]))

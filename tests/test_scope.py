@@ -104,6 +104,35 @@ def test_an_internal_error_disables_the_scope_and_training_goes_on(tmp_path, cap
     scope.finish()
 
 
+def test_a_disabled_scope_never_calls_the_training_hung(tmp_path):
+    # After an internal error the hooks stop marking; the watchdog must stop too, or it would see no
+    # progress and end a healthy job as hung.
+    script = textwrap.dedent(f"""
+        import time, torch
+        from pytscope_core import Scope
+        model = torch.nn.Linear(4, 1); opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        scope = Scope({str(tmp_path)!r}, console=False, hang_timeout=1.0)
+        scope.watch(model, opt)
+        end = time.monotonic() + 4.0
+        step = 0
+        while time.monotonic() < end:
+            step += 1
+            if step == 5:
+                scope.recorder.mark = None  # the next hook call raises inside the scope
+            model(torch.randn(2, 4)).sum().backward(); opt.step(); opt.zero_grad()
+            time.sleep(0.01)
+        assert not scope.enabled
+        scope.finish()
+        print("trained", step)
+    """)
+    (tmp_path / "job.py").write_text(script)
+    proc = subprocess.run(
+        [sys.executable, str(tmp_path / "job.py")], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "trained" in proc.stdout and "scope disabled, training continues" in proc.stderr
+
+
 def test_stuck_single_process_loop_is_reported_with_its_stack(tmp_path):
     script = textwrap.dedent(f"""
         import time, torch
