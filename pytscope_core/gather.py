@@ -66,7 +66,10 @@ class Gatherer:
         every = torch.cat(out).numpy()
         return Exchange(h, every[~np.isnan(every[:, 0])])
 
-    def destroy(self) -> None:
-        # Best effort at the end of a run: the default group may already be gone with ours in it.
-        with contextlib.suppress(Exception):
-            self._dist.destroy_process_group(self.group)
+    def destroy(self, dist_alive: bool = True) -> None:
+        """Destroy the group (unless the default group is already gone, with ours in it) and drop it, so that
+        its gloo threads are joined now and not while the interpreter shuts down."""
+        if dist_alive:
+            with contextlib.suppress(Exception):  # best effort at the end of a run
+                self._dist.destroy_process_group(self.group)
+        self.group = None

@@ -552,8 +552,9 @@ class Scope:
             self.hooks.remove()
             if self._writer is not None:
                 self._writer.close()
-            if self._gatherer is not None and self._dist_alive():
-                self._gatherer.destroy()
+            if self._gatherer is not None:
+                self._gatherer.destroy(self._dist_alive())
+                self._gatherer = None
         return self.summary
 
     def _dist_alive(self) -> bool:

@@ -66,6 +66,9 @@ def _main(rank: int, world: int, port: int, o: dict[str, Any]) -> None:
         opt.zero_grad()
         scope.log(loss=loss)
     scope.finish()
+    # The scope's own gloo group is gone with its last reference: its threads are not left for the
+    # interpreter's shutdown.
+    assert scope._gatherer is None
     dist.barrier()
     dist.destroy_process_group()
     time.sleep(0.1)
