@@ -1,6 +1,6 @@
 """Does the diagnosis find a slow rank, how soon, and does it stay quiet on healthy jobs and flat losses?
 
-**Noise model** (simulated ranks), taken from real CPU runs in shared/MEASUREMENTS.md:
+**Noise model** (simulated ranks), taken from real CPU runs in docs/MEASUREMENTS.md:
 
 * local work per rank and step = 9.5 ms (item 10: healthy 2-rank Lightning local work 9.6 / 9.4 ms)
   x a per-rank fixed offset, lognormal sigma 0.012 (those two healthy medians differ by 2%)

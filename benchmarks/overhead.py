@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import inspect
 import json
 import logging
 import math
@@ -214,9 +213,7 @@ def _lightning_module(width: int) -> Any:
 def _scope_callback(run_dir: Path) -> Any:
     from pytscope_lightning import ScopeCallback
 
-    wanted: dict[str, Any] = {"run_dir": str(run_dir), "interval": 50, "console": False}
-    params = inspect.signature(ScopeCallback).parameters
-    return ScopeCallback(**{k: v for k, v in wanted.items() if k in params})
+    return ScopeCallback(run_dir=str(run_dir), interval=50, console=False)
 
 
 def lightning_block(cfg: Config, steps: int, with_scope: bool, run_dir: Path) -> list[float]:
@@ -379,8 +376,8 @@ def recording_cost_us(steps: int, blocks: int) -> dict[str, float]:
         hooks.data_end(batch)
         out = watched(x)  # the wrapper marks forward begin and end
         out.backward()  # gradient-ready hook: backward begin; engine callback: graph done (no sync: no 2nd)
-        hooks._optimizer_pre(None, (), {})
-        hooks._optimizer_post(None, (), {})
+        hooks.optimizer_begin()  # what the optimizer's step pre-hook does
+        rec.optimizer_stepped()  # ...and its post-hook
 
     def nothing() -> None:
         pass
@@ -393,8 +390,8 @@ def recording_cost_us(steps: int, blocks: int) -> dict[str, float]:
         rec.mark(Mark.BACKWARD_BEGIN)
         rec.mark(Mark.GRAPH_DONE)
         rec.mark(Mark.BACKWARD_END)
-        hooks._optimizer_pre(None, (), {})
-        hooks._optimizer_post(None, (), {})
+        hooks.optimizer_begin()  # what the optimizer's step pre-hook does
+        rec.optimizer_stepped()  # ...and its post-hook
 
     class Batches:
         def __init__(self, items: list[Any]) -> None:

@@ -21,33 +21,18 @@ from pytscope_core.scope import Scope
 class AccelerateScope:
     """Records every rank's steps of an Accelerate loop; rank 0 diagnoses them live and at the end.
 
-    Create it after `accelerator.prepare(...)` (the process group must exist), on every process. Options mean
-    what they mean in `pytscope_core.Scope` and `pytscope_lightning.ScopeCallback`.
+    Create it after `accelerator.prepare(...)` (the process group must exist), on every process. Keyword
+    options are those of `pytscope_core.ScopeOptions`, as for `Scope` and `ScopeCallback`. Step N is the N-th
+    optimizer step (1-based), as in plain loops.
     """
 
     def __init__(
-        self,
-        accelerator: Any,
-        run_dir: str | os.PathLike[str] | None = None,
-        *,
-        interval: int = 50,
-        warmup: int = 5,
-        hang_timeout: float | None | str = "auto",
-        on_hang: str = "abort",
-        console: bool = True,
+        self, accelerator: Any, run_dir: str | os.PathLike[str] | None = None, **options: Any
     ) -> None:
         self.accelerator = accelerator
-        self.scope = Scope(
-            run_dir,
-            interval=interval,
-            warmup=warmup,
-            hang_timeout=hang_timeout,
-            on_hang=on_hang,
-            console=console,
-            integration="accelerate",
-        )
+        self.scope = Scope(run_dir, integration="accelerate", precision=_precision(accelerator), **options)
         # Only rank 0 calls the sink, and accelerator.log only writes on the main process anyway.
-        self.scope.metrics_sink = self._log_metrics
+        self.scope.set_metrics_sink(self._log_metrics)
 
     @property
     def run_dir(self) -> Any:
@@ -85,3 +70,10 @@ class AccelerateScope:
 
     def _log_metrics(self, metrics: dict[str, float], step: int) -> None:
         self.accelerator.log(metrics, step=step)
+
+
+def _precision(accelerator: Any) -> str | None:
+    """The peak-table precision of Accelerate's `mixed_precision` ("bf16"/"fp16" -> "bf16"); None: decided
+    from the model."""
+    mode = str(getattr(accelerator, "mixed_precision", "no"))
+    return "bf16" if mode in ("bf16", "fp16", "fp8") else None

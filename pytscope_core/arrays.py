@@ -67,16 +67,19 @@ class RunArrays:
             out[cell] = rows[:, COL[name]]
             return out.reshape(shape)
 
-        phases = np.full((steps.size * ranks.size, len(PHASE_COLS)), np.nan)
-        phases[cell] = rows[:, list(PHASE_COLS)]
+        flat = np.full((steps.size * ranks.size, len(PHASE_COLS)), np.nan)
+        flat[cell] = rows[:, list(PHASE_COLS)]
+        phases = flat.reshape(*shape, len(PHASE_COLS))
+        wall, excluded = column("wall_ms"), column("excluded_ms")
+        discount_peer_pauses(phases, wall, excluded)
         segment = column("segment")
         return cls(
             steps=steps,
             ranks=ranks,
-            phases=phases.reshape(*shape, len(PHASE_COLS)),
-            wall_ms=column("wall_ms"),
+            phases=phases,
+            wall_ms=wall,
             start_s=column("start_s"),
-            excluded_ms=column("excluded_ms"),
+            excluded_ms=excluded,
             loss=column("loss"),
             samples=column("samples"),
             mem_bytes=column("mem_bytes"),
@@ -152,6 +155,29 @@ def _dense_index(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     present[values - low] = True
     position = np.cumsum(present) - 1
     return np.flatnonzero(present) + low, position[values - low]
+
+
+_COMM = PHASE_COLS.index(COL["comm_ms"])
+
+
+def discount_peer_pauses(phases: np.ndarray, wall: np.ndarray, excluded: np.ndarray) -> None:
+    """Time a rank spent waiting in the all-reduce for a peer that was paused (evaluation or a checkpoint on
+    rank 0 only) is no more a training phase than the pause itself: move it from `comm` to excluded, in
+    place. The wait falls in the pausing rank's step or the next one, so a rank may discount up to the
+    largest pause any rank took in those two steps, less its own pause."""
+    with np.errstate(invalid="ignore"):
+        paused = np.nan_to_num(excluded, nan=0.0)
+    if paused.size == 0 or not (paused > 0).any():
+        return
+    window = paused.max(axis=1)
+    window[1:] = np.maximum(window[1:], window[:-1])
+    comm = phases[:, :, _COMM]
+    with np.errstate(invalid="ignore"):
+        shift = np.clip(np.minimum(comm, window[:, None] - paused), 0.0, None)
+    shift = np.nan_to_num(shift, nan=0.0)
+    phases[:, :, _COMM] -= shift
+    wall -= shift
+    excluded += shift
 
 
 def _latest_per_rank_step(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

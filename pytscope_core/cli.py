@@ -173,17 +173,72 @@ def cmd_trace(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _import_object(spec: str, what: str) -> Any:
+    import importlib
+    import os
+
+    module_name, _, attribute = spec.partition(":")
+    if not module_name or not attribute:
+        raise UsageError(f"pytscope equivalence: {what} must be MODULE:NAME, got {spec!r}")
+    if os.getcwd() not in sys.path:  # as `python -m` would: the user's modules sit in the working directory
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # the user's module may fail in any way while importing; one line, exit 2
+        raise UsageError(f"pytscope equivalence: cannot import {module_name!r}: {exc}") from None
+    try:
+        return getattr(module, attribute)
+    except AttributeError:
+        raise UsageError(f"pytscope equivalence: {module_name!r} has no {attribute!r}") from None
+
+
+def cmd_equivalence(args: argparse.Namespace) -> int:
+    from .equivalence import (
+        EquivalenceError,
+        EquivalenceSetupError,
+        WorkerError,
+        check_equivalence,
+        render_equivalence,
+    )
+
+    model_factory = _import_object(args.factory, "the model factory")
+    loss_fn = _import_object(args.loss, "--loss")
+    make_batch = _import_object(args.batch, "--batch")
+    try:
+        batch = make_batch()
+    except Exception as exc:  # the user's function, run for its return value only
+        raise UsageError(f"pytscope equivalence: {args.batch} raised {type(exc).__name__}: {exc}") from None
+    try:
+        result = check_equivalence(
+            model_factory,
+            loss_fn,
+            batch,
+            world_size=args.world_size,
+            steps=args.steps,
+            rtol=args.rtol,
+            atol=args.atol,
+        )
+    except EquivalenceError as exc:
+        result = exc.result
+    except (EquivalenceSetupError, WorkerError) as exc:
+        raise UsageError(f"pytscope equivalence: {exc}") from None
+    _console().print(render_equivalence(result))
+    return EXIT_OK if result.passed else EXIT_FINDINGS
+
+
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "report": cmd_report,
     "demo": cmd_demo,
     "compare": cmd_compare,
     "scaling": cmd_scaling,
     "trace": cmd_trace,
+    "equivalence": cmd_equivalence,
 }
 
 
 def build_parser() -> argparse.ArgumentParser:
     from .demo import SCENARIOS
+    from .equivalence import DEFAULT_ATOL, DEFAULT_RTOL
 
     parser = _Parser(prog="pytscope", description="Why is my PyTorch training slow or unhealthy?")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -232,6 +287,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--max-steps", type=int, default=20_000, help="keep only the latest N steps (default 20000)"
     )
+
+    p = sub.add_parser(
+        "equivalence", help="check that W DDP workers compute what one process does on the same batch"
+    )
+    p.add_argument("factory", metavar="MODULE:FACTORY", help="builds the model")
+    p.add_argument("--loss", required=True, metavar="MODULE:FN", help="loss_fn(output, targets)")
+    p.add_argument(
+        "--batch", required=True, metavar="MODULE:FN", help="returns the global batch (inputs, targets)"
+    )
+    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--steps", type=int, default=1)
+    p.add_argument("--rtol", type=_nonnegative, default=DEFAULT_RTOL, help=f"default {DEFAULT_RTOL:g}")
+    p.add_argument("--atol", type=_nonnegative, default=DEFAULT_ATOL, help=f"default {DEFAULT_ATOL:g}")
     return parser
 
 

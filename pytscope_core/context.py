@@ -6,7 +6,9 @@ them as plain frozen dataclasses so that the rules stay pure functions.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -51,3 +53,28 @@ class RunContext:
     replica_checks: tuple[ReplicaCheck, ...] = ()
     hang_reports: tuple[dict, ...] = ()  # DIST.HANG reports written by the watchdog (plain JSON)
     scope_errors: tuple[str, ...] = ()  # internal errors that disabled the scope
+    rank_notes: tuple[tuple[int, str], ...] = ()  # (rank, why it wrote its own rows: "hang", "SIGTERM" ...)
+
+    @classmethod
+    def from_meta(cls, meta: dict[str, Any], **fields: Any) -> RunContext:
+        """The context of a run from its `meta.json` (settings, device, limits, FLOPs) plus what was learnt
+        while it ran (`fields`: segments, checks, hang reports, errors). Live and final analysis both build
+        their context here, so they judge a run by the same facts."""
+        settings = {
+            "world_size": int(meta.get("world_size") or 1),
+            "interval": int(meta.get("interval", 50)),
+            "warmup": int(meta.get("warmup", 5)),
+            "device": str(meta.get("device", "cpu")),
+            "flops_per_step": _positive(meta.get("flops_per_step")),
+            "peak_flops": _positive(meta.get("peak_flops")),
+            "mem_limit_bytes": _positive(meta.get("mem_limit_bytes")),
+        }
+        return cls(**{**settings, **fields})
+
+
+def _positive(value: Any) -> float | None:
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        return None
+    return v if math.isfinite(v) and v > 0 else None

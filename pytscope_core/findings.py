@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,6 +61,20 @@ class Finding:
             steps=tuple(int(s) for s in d.get("steps", ())),
             evidence={str(k): float(v) for k, v in dict(d.get("evidence", {})).items() if v is not None},
         )
+
+
+def format_ranks(ranks: Iterable[int], limit: int = 8) -> str:
+    """ "0, 1, 2" for a few ranks, "0, 1, ... and 56 more" for many: findings stay one line at any scale."""
+    rs = list(ranks)
+    text = ", ".join(str(r) for r in rs[:limit])
+    return text + (f" and {len(rs) - limit} more" if len(rs) > limit else "")
+
+
+def severity_at(value: float, med: float, high: float) -> Severity:
+    """The severity ladder of most rules: HIGH at or above `high`, MED at or above `med`, else LOW."""
+    if value >= high:
+        return Severity.HIGH
+    return Severity.MED if value >= med else Severity.LOW
 
 
 def _plain(v: Any) -> Any:

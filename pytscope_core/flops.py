@@ -1,9 +1,9 @@
 """Peak FLOP/s of known devices and FLOPs of one training step, for model FLOPs utilisation (MFU).
 
-Peaks are dense (no sparsity) BF16/FP16 tensor-core numbers from the vendors' data sheets. A device name is
-matched exactly after normalising case and spaces, against the names `torch.cuda.get_device_name` reports,
-so an unknown part gives None (MFU "n/a") instead of a wrong guess. Torch is imported only inside
-`measure_flops_per_step`.
+Peaks are dense (no sparsity) numbers from the vendors' data sheets, per precision (bf16, tf32, fp32). A device
+name is matched exactly after normalising case and spaces, against the names `torch.cuda.get_device_name`
+reports, so an unknown part gives None (MFU "n/a") instead of a wrong guess. FLOPs per step are counted by
+torch's own FLOP counter on one warm-up step (`FlopEstimate`). Torch is imported only inside functions.
 """
 
 from __future__ import annotations
@@ -11,18 +11,26 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-PEAK_FLOPS: dict[str, float] = {
-    "a100 sxm": 312e12,
-    "a100 pcie": 312e12,
-    "h100 sxm": 989e12,
-    "h100 pcie": 756e12,
-    "h100 nvl": 835e12,
-    "h200": 989e12,
-    "b200": 2250e12,
-    "l40s": 362e12,
-    "mi300x": 1307e12,
+# Dense figures only: data sheets print sparse numbers (2x) next to dense ones, and mixing them up doubles
+# MFU. TF32 is what fp32 matmuls run at when TF32 is allowed; "fp32" is the plain (non-tensor-core) rate.
+PEAK_FLOPS_BY_PRECISION: dict[str, dict[str, float]] = {
+    "a100 sxm": {"bf16": 312e12, "tf32": 156e12, "fp32": 19.5e12},
+    "a100 pcie": {"bf16": 312e12, "tf32": 156e12, "fp32": 19.5e12},
+    "h100 sxm": {"bf16": 989e12, "tf32": 494.7e12, "fp32": 66.9e12},
+    "h100 pcie": {"bf16": 756e12, "tf32": 378e12, "fp32": 51.2e12},
+    "h100 nvl": {"bf16": 835e12, "tf32": 417.5e12, "fp32": 60e12},
+    "h200": {"bf16": 989e12, "tf32": 494.7e12, "fp32": 67e12},
+    "h200 nvl": {"bf16": 835e12, "tf32": 417.5e12, "fp32": 60e12},
+    "b200": {"bf16": 2250e12, "tf32": 1100e12, "fp32": 80e12},
+    "l40s": {"bf16": 362e12, "tf32": 183e12, "fp32": 91.6e12},
+    "mi300x": {"bf16": 1307.4e12, "tf32": 653.7e12, "fp32": 163.4e12},
 }
-"""Dense BF16/FP16 peak FLOP/s per device."""
+"""Dense peak FLOP/s per device and precision (bf16 = fp16 rate)."""
+
+PRECISIONS = ("bf16", "tf32", "fp32")
+
+PEAK_FLOPS: dict[str, float] = {k: v["bf16"] for k, v in PEAK_FLOPS_BY_PRECISION.items()}
+"""Dense BF16/FP16 peak FLOP/s per device: the default when the training precision is not known."""
 
 DEVICE_NAMES: dict[str, str] = {
     "nvidia a100-sxm4-40gb": "a100 sxm",
@@ -35,7 +43,7 @@ DEVICE_NAMES: dict[str, str] = {
     "nvidia h100 pcie": "h100 pcie",
     "nvidia h100 nvl": "h100 nvl",
     "nvidia h200": "h200",
-    "nvidia h200 nvl": "h200",
+    "nvidia h200 nvl": "h200 nvl",
     "nvidia b200": "b200",
     "nvidia l40s": "l40s",
     "amd instinct mi300x": "mi300x",
@@ -48,26 +56,137 @@ def _normalise(name: str) -> str:
     return " ".join(name.strip().lower().split())
 
 
-def peak_flops_for(device_name: str | None) -> float | None:
-    """Dense BF16 peak FLOP/s of a device by its exact (normalised) name; None when unknown."""
+def peak_flops_for(device_name: str | None, precision: str = "bf16") -> float | None:
+    """Dense peak FLOP/s of a device at `precision` ("bf16", "tf32", "fp32") by its exact (normalised) name;
+    None when unknown."""
     if not device_name:
         return None
     key = _normalise(device_name)
-    return PEAK_FLOPS.get(DEVICE_NAMES.get(key, key))
+    return PEAK_FLOPS_BY_PRECISION.get(DEVICE_NAMES.get(key, key), {}).get(precision)
 
 
-def measure_flops_per_step(fn: Callable[[], Any]) -> float | None:
-    """FLOPs counted by torch's FlopCounterMode while running `fn` once (e.g. forward + backward of one
-    batch); None when the counter is unavailable or fails (MFU then shows "n/a")."""
+def training_precision(param_dtype: Any, autocast: bool) -> str:
+    """The peak-table precision a step runs at: bf16/fp16 parameters or autocast -> "bf16"; fp32 matmuls ->
+    "tf32" where torch allows TF32 for them, else "fp32"."""
+    import torch
+
+    if autocast or param_dtype in (torch.bfloat16, torch.float16):
+        return "bf16"
+    allowed = torch.backends.cuda.matmul.allow_tf32 or torch.get_float32_matmul_precision() != "highest"
+    return "tf32" if allowed else "fp32"
+
+
+class FlopEstimate:
+    """FLOPs of one optimizer step, counted once by torch's `FlopCounterMode` on a warm-up step.
+
+    The hooks enter the counter at the first forward of step `at_step` and leave it before that step's
+    optimizer step, so every micro-batch's forward and backward count (autograd threads inherit the mode).
+    The counted step runs slower, which is why it is a warm-up step: statistics never see it. `on_done`
+    receives the total (None when counting failed or found nothing); counting never raises into training.
+    """
+
+    def __init__(self, at_step: int, on_done: Callable[[float | None], None]) -> None:
+        self.at_step = at_step
+        self.on_done = on_done
+        self._mode: Any = None
+        self._done = False  # counted (or given up): never again
+
+    @property
+    def counting(self) -> bool:
+        return self._mode is not None
+
+    def begin(self, step: int) -> None:
+        if self._done or self._mode is not None or step != self.at_step:
+            return
+        try:
+            from torch.utils.flop_counter import FlopCounterMode
+
+            mode = FlopCounterMode(display=False)
+            mode.__enter__()
+            self._mode = mode
+        except Exception:
+            self._done = True
+            self.on_done(None)
+
+    def end(self) -> None:
+        self._done = True
+        mode, self._mode = self._mode, None
+        if mode is None:
+            return
+        try:
+            mode.__exit__(None, None, None)
+            total = float(mode.get_total_flops())
+        except Exception:
+            total = 0.0
+        self.on_done(total if total > 0 else None)
+
+    def cancel(self) -> None:
+        """Leave the counter without a result (training ended or the scope was disabled mid-step)."""
+        self._done = True
+        mode, self._mode = self._mode, None
+        if mode is not None:
+            try:
+                mode.__exit__(None, None, None)
+            except Exception:
+                pass
+
+
+class StepFlops:
+    """What MFU needs that the scope learns along the way: the training precision (for the peak table) and
+    FLOPs per step, given by the user, by an integration, or counted once on a warm-up step. Facts learnt
+    before the run directory exists wait in `learnt` until the session writes them."""
+
+    def __init__(self, flops_per_step: float | None, warmup: int, precision: str | None) -> None:
+        self.precision = precision  # None: decided from the model's parameters (and autocast)
+        self.precision_given = precision is not None
+        self.warmup = warmup
+        self.learnt: dict[str, Any] = {}
+        self.estimate = FlopEstimate(self.counting_step(0), self._counted) if flops_per_step is None else None
+
+    def counting_step(self, resumed_from_step: int) -> int:
+        """A warm-up step (the counter slows it), not the first (lazy initialisation runs there); with no
+        warm-up, none (0 never comes: steps count from 1)."""
+        return resumed_from_step + (2 if self.warmup >= 2 else 1 if self.warmup == 1 else 0)
+
+    def resumed(self, resumed_from_step: int) -> None:
+        if self.estimate is not None:
+            self.estimate.at_step = self.counting_step(resumed_from_step)
+
+    def given(self, flops: float) -> None:
+        """FLOPs per step from an integration (e.g. Lightning's `flops_per_batch`): no counting then."""
+        self.cancel()
+        self.learnt.update(flops_per_step=flops, flops_estimated=False)
+
+    def cancel(self) -> None:
+        if self.estimate is not None:
+            self.estimate.cancel()
+            self.estimate = None
+
+    def note_model(self, model: Any) -> None:
+        if self.precision is None:
+            param = next(iter(model.parameters()), None)
+            if param is not None:
+                self.precision = training_precision(param.dtype, autocast=False)
+
+    def note_forward(self) -> None:
+        """Inside the first training forward, where the user's autocast is in force: fp32 parameters under
+        bf16/fp16 autocast train at the bf16 rate."""
+        if not self.precision_given and autocast_active():
+            self.precision = "bf16"
+
+    def take_learnt(self) -> dict[str, Any]:
+        learnt, self.learnt = self.learnt, {}
+        return learnt
+
+    def _counted(self, flops: float | None) -> None:
+        if flops is not None:
+            self.learnt.update(flops_per_step=flops, flops_estimated=True)
+
+
+def autocast_active() -> bool:
+    import torch
+
     try:
-        from torch.utils.flop_counter import FlopCounterMode
-    except ImportError:
-        return None
-    counter = FlopCounterMode(display=False)
-    try:
-        with counter:
-            fn()
-    except Exception:
-        return None
-    total = float(counter.get_total_flops())
-    return total if total > 0 else None
+        return any(torch.is_autocast_enabled(device) for device in ("cuda", "cpu"))
+    except TypeError:  # torch < 2.4 takes no device type
+        return bool(torch.is_autocast_enabled())

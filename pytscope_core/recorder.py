@@ -33,7 +33,7 @@ class ClosedStep(NamedTuple):
     """One finished step, still as raw marks (timestamps resolve lazily, e.g. CUDA events). A tuple: it is
     built on the hot path, once per step."""
 
-    step: int
+    step: int  # the step's label: the framework's number for it
     host_start_ns: int
     marks: list[int]
     stamps: list[Any]
@@ -45,23 +45,30 @@ class ClosedStep(NamedTuple):
 
 
 class StepRecorder:
-    """Collects one rank's steps. Not thread-safe beyond what list.append gives (autograd threads mark too)."""
+    """Collects one rank's steps on the training thread (autograd threads mark too, through list.append).
+
+    Another thread (the hang watchdog) may only read through `progress()` and `pending_rows()`, which never
+    mutate anything. `stop()` makes every later call a no-op, so a disabled scope holds constant memory.
+    """
 
     def __init__(
         self,
         clock: Clock | None = None,
         memory: Callable[[], float] = host_peak_rss,
         host_ns: Callable[[], int] | None = None,
+        step_origin: int = 1,
     ) -> None:
         self.clock: Clock = clock or HostClock()
         self._now = self.clock.now
         self._memory = memory
         self._host_ns = host_ns or HostClock.now
+        self.step_origin = step_origin  # the number the framework gives its first step (Lightning: 0)
         self.on_step_closed: Callable[[], None] | None = None  # the scope's gather check...
         self.notify_at = 0  # ...called once the gather key (below) reaches this
         self.notify_on_syncs = False  # key: gradient syncs (DDP) or optimizer steps
         self._memory_every = 8  # host RSS is a syscall: read it every 8th step (its peak only grows)
         self._last_memory = math.nan
+        self._stopped = False
         self.steps_done = 0  # optimizer steps completed, counting those before a resume
         self.grad_syncs = 0
         self.micro_batches = 0
@@ -75,6 +82,7 @@ class StepRecorder:
         self._samples = 0.0
         self._step_syncs = 0
         self._step_micro = 0
+        self._label: int | None = None
 
     # -- hot path -------------------------------------------------------------------------------------
     def mark(self, mark: int) -> None:
@@ -88,19 +96,25 @@ class StepRecorder:
             self._close_step()
             if (self.grad_syncs if self.notify_on_syncs else self.steps_done) >= self.notify_at:
                 if self.on_step_closed is not None:
-                    self.on_step_closed()  # may gather: the next step starts after it
+                    self.on_step_closed()  # may gather (or stop the recorder): the next step starts after it
+            if self._stopped:
+                return
             self._open_step()
         elif not self._open:
+            if self._stopped:
+                return
             self._open_step()
         self._marks.append(mark)
         self._stamps.append(self._now())
 
     def optimizer_stepped(self) -> None:
-        self._marks.append(_OPTIMIZER_END)
-        self._stamps.append(self._now())
-        self._stepped = True
+        if self._open:
+            self._marks.append(_OPTIMIZER_END)
+            self._stamps.append(self._now())
+            self._stepped = True
 
     def count_micro_batch(self, samples: float) -> None:
+        """A forward of the open step ended: one more micro-batch of `samples` (NaN when unknown)."""
         self._step_micro += 1
         self._samples += samples
 
@@ -110,10 +124,50 @@ class StepRecorder:
     def set_loss(self, loss: Any) -> None:
         self._loss = loss
 
+    def label_step(self, label: int) -> None:
+        """The framework's own number for the open step (e.g. Lightning's `global_step`), when it does not
+        simply count optimizer steps (manual optimization with several optimizers)."""
+        self._label = label
+
     # -- step bookkeeping -----------------------------------------------------------------------------
+    def use_clock(self, clock: Clock, memory: Callable[[], float], memory_every: int) -> None:
+        """Switch clocks before the first step (e.g. to CUDA events, with the allocator's peak memory)."""
+        self.clock = clock
+        self._now = clock.now
+        self._memory = memory
+        self._memory_every = memory_every
+
+    def stop(self) -> None:
+        """Record nothing more: the open step is dropped and no step opens again (closed steps stay for a
+        last flush)."""
+        self._stopped = True
+        self._open = False
+        self._stepped = False
+        self._marks, self._stamps = [], []
+
+    @property
+    def stopped(self) -> bool:
+        return self._stopped
+
     @property
     def in_step(self) -> bool:
         return self._open
+
+    @property
+    def host_start_ns(self) -> int:
+        """Host clock at the open (or last) step's loop top, 0 before the first step."""
+        return self._host_start
+
+    def step_label(self, steps_done: int) -> int:
+        """The number the framework shows for the `steps_done`-th optimizer step (1-based count)."""
+        return steps_done - 1 + self.step_origin
+
+    def progress(self) -> tuple[tuple[int, int, int], int | None]:
+        """For another thread: a signature that changes with every mark, and the latest mark (or None).
+        Reads only; safe while the training thread appends."""
+        marks = self._marks
+        n = len(marks)
+        return (self.steps_done, id(marks), n), (marks[n - 1] if n else None)
 
     @property
     def completed(self) -> tuple[int, int, int]:
@@ -127,6 +181,18 @@ class StepRecorder:
             )
         return (self.steps_done, self.grad_syncs, self.micro_batches)
 
+    def counters(self) -> dict[str, int]:
+        """The counters a checkpoint carries (see `completed`)."""
+        steps, syncs, micro = self.completed
+        return {"step": steps, "grad_syncs": syncs, "micro_batches": micro}
+
+    def restore(self, counters: dict[str, Any]) -> None:
+        """Continue from a checkpoint's counters; steps recorded since are replayed after it, so dropped."""
+        self.steps_done = int(counters.get("step", 0))
+        self.grad_syncs = int(counters.get("grad_syncs", 0))
+        self.micro_batches = int(counters.get("micro_batches", 0))
+        self.window.clear()
+
     def _open_step(self) -> None:
         self._open = True
         self._stepped = False
@@ -138,6 +204,7 @@ class StepRecorder:
         self._samples = 0.0
         self._step_syncs = 0
         self._step_micro = 0
+        self._label = None
 
     def _close_step(self) -> None:
         self._marks.append(_STEP_END)
@@ -147,21 +214,33 @@ class StepRecorder:
         self.micro_batches += self._step_micro
         if self.steps_done % self._memory_every == 0 or self._last_memory != self._last_memory:
             self._last_memory = self._memory()
-        self.window.append(
-            ClosedStep(
-                self.steps_done,
-                self._host_start,
-                self._marks,
-                self._stamps,
-                self._loss,
-                self._samples if self._step_micro else math.nan,
-                self._last_memory,
-                self._step_syncs,
-                self._step_micro,
-            )
-        )
+        self.window.append(self._as_closed(self.steps_done, self._marks, self._stamps))
         self._open = False
         self._stepped = False
+
+    def _as_closed(self, steps_done: int, marks: list[int], stamps: list[Any]) -> ClosedStep:
+        return ClosedStep(
+            self.step_label(steps_done) if self._label is None else self._label,
+            self._host_start,
+            marks,
+            stamps,
+            self._loss,
+            self._samples if self._step_micro else math.nan,
+            self._last_memory,
+            self._step_syncs,
+            self._step_micro,
+        )
+
+    def _stepped_snapshot(self) -> ClosedStep | None:
+        """The open step, if its optimizer step is done, as if it had closed at its last mark (its next loop
+        top never came: a hang or a signal before it). Copies only; for another thread."""
+        if not (self._open and self._stepped):
+            return None
+        stamps, marks = list(self._stamps), list(self._marks)  # stamps first: each mark precedes its stamp
+        n = min(len(marks), len(stamps))
+        if n == 0:
+            return None
+        return self._as_closed(self.steps_done + 1, [*marks[:n], _STEP_END], [*stamps[:n], stamps[n - 1]])
 
     def close(self) -> None:
         """End of training: close the open step if an optimizer step happened in it, else drop it."""
@@ -175,6 +254,17 @@ class StepRecorder:
         `epoch_offset_s` converts host perf_counter seconds to seconds since the epoch.
         """
         window, self.window = self.window, []
+        return self._rows(window, rank, segment, epoch_offset_s)
+
+    def pending_rows(self, rank: int, segment: int, epoch_offset_s: float) -> np.ndarray:
+        """The steps not yet drained, as rows, leaving the recorder as it is: for another thread (a hang or
+        SIGTERM report) while the training thread is blocked or interrupted. Closed steps never change; an
+        open step whose optimizer step is done counts too."""
+        window = list(self.window)
+        last = self._stepped_snapshot()
+        return self._rows(window if last is None else [*window, last], rank, segment, epoch_offset_s)
+
+    def _rows(self, window: list[ClosedStep], rank: int, segment: int, epoch_offset_s: float) -> np.ndarray:
         rows = np.full((len(window), NCOLS), np.nan)
         if not window:
             return rows

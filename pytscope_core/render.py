@@ -15,6 +15,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from .analysis.timing import few_steps_note
 from .findings import Finding, Severity
 from .summary import Summary
 
@@ -77,6 +78,9 @@ def render_run(summary: Summary) -> RenderableType:
         "steps", f"{r.steps}" + (f" ({r.first_step}-{r.last_step})" if r.first_step is not None else "")
     )
     table.add_row("restarts", str(r.restarts))
+    for end in r.rank_ends:
+        where = f"end at step {end.last_step}" if end.last_step is not None else "have no record"
+        table.add_row(f"rank {end.rank}", f"records {where}: {end.reason}")
     table.add_row("elapsed", _num(g.elapsed_s, ".1f", " s"))
     goodput = "n/a" if not math.isfinite(g.goodput) else f"{100 * g.goodput:.1f}%"
     table.add_row(
@@ -91,8 +95,10 @@ def render_run(summary: Summary) -> RenderableType:
 
 def render_timing(summary: Summary) -> RenderableType:
     t = summary.timing
+    note = few_steps_note(t.steps_counted)
     head = Text(
         f"step time: median {_num(t.median_ms)} ms, p95 {_num(t.p95_ms)} ms over {t.steps_counted} steps"
+        + (f" ({note})" if note else "")
     )
     table = Table(box=None, show_header=True, pad_edge=False)
     table.add_column("phase")

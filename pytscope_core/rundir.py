@@ -5,12 +5,15 @@ Layout (all plain data, append-only while training):
   steps.f64      step records: raw little-endian float64 rows, `meta.json["columns"]` wide
   events.jsonl   one JSON object per line: segments, counter and replica checks, live findings, hangs, errors
   scalars.jsonl  rank 0's extra logged scalars, one line per step
+  ranks/rank<N>.f64, ranks/rank<N>.jsonl   rows a rank wrote itself when it could not wait for a gather (a hang,
+                 SIGTERM, a rank missing at finish), and why; merged with steps.f64 on reading
   summary.json / summary.txt   the end-of-run summary (atomically, at the end)
 A process killed at any moment loses at most the rows not yet gathered: a torn last row or line is ignored.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -103,6 +106,48 @@ class RunWriter:
             f.close()
 
 
+def append_rank_rows(path: Path, rank: int, rows: np.ndarray, reason: str) -> None:
+    """A rank's own rows, written by that rank (any rank: rank 0 may be hung too), with the reason."""
+    folder = path / "ranks"
+    folder.mkdir(parents=True, exist_ok=True)
+    if rows.size:
+        with open(folder / f"rank{rank}.f64", "ab") as f:
+            f.write(np.ascontiguousarray(rows, dtype="<f8").tobytes())
+    last = rows[:, COLUMNS.index("step")].max() if rows.size else None
+    line = {"rank": rank, "reason": reason, "rows": int(rows.shape[0]), "last_step": last}
+    with open(folder / f"rank{rank}.jsonl", "a") as f:
+        f.write(json.dumps(_jsonable(line)) + "\n")
+
+
+def read_rank_files(
+    path: Path, columns: list[str] | None, known: np.ndarray
+) -> tuple[np.ndarray, dict[int, str]]:
+    """Rows the ranks wrote themselves that are not already in `known` (the gathered rows), and each such
+    rank's last stated reason."""
+    folder = path / "ranks"
+    if not folder.is_dir():
+        return np.empty((0, NCOLS)), {}
+    parts = [read_rows(folder, columns, name=f.name) for f in sorted(folder.glob("rank*.f64"))]
+    rows = np.concatenate(parts) if parts else np.empty((0, NCOLS))
+    if rows.size:  # keep each (rank, segment, step) once, and only if no gather brought it already
+        key_cols = [COLUMNS.index(c) for c in ("rank", "segment", "step")]
+        seen = {tuple(r) for r in known[:, key_cols].tolist()}
+        keep = []
+        for key in rows[:, key_cols].tolist():
+            keep.append(tuple(key) not in seen)
+            seen.add(tuple(key))
+        rows = rows[keep]
+    reasons: dict[int, str] = {}
+    for f in sorted(folder.glob("rank*.jsonl")):
+        for line in f.read_text(errors="replace").splitlines():
+            try:
+                entry = json.loads(line)
+                reasons[int(entry["rank"])] = str(entry["reason"])
+            except (ValueError, KeyError, TypeError):
+                continue
+    return rows, reasons
+
+
 @dataclass
 class Run:
     path: Path
@@ -114,9 +159,9 @@ class Run:
     problems: list[str] = field(default_factory=list)  # what could not be read, said in the report
 
 
-def read_rows(path: Path, columns: list[str] | None = None) -> np.ndarray:
+def read_rows(path: Path, columns: list[str] | None = None, name: str = "steps.f64") -> np.ndarray:
     """The step rows on disk in the current column layout (a torn last row is dropped)."""
-    f = path / "steps.f64"
+    f = path / name
     if not f.exists():
         return np.empty((0, NCOLS))
     columns = columns or list(COLUMNS)
@@ -176,6 +221,9 @@ def load_run(path: str | os.PathLike[str], warmup: int | None = None) -> Run:
     if not (isinstance(columns, list) and all(isinstance(c, str) for c in columns) and "step" in columns):
         columns = None
     rows = read_rows(root, columns)
+    own_rows, rank_reasons = read_rank_files(root, columns, rows)
+    if own_rows.size:
+        rows = np.concatenate([rows, own_rows])
     events, bad_lines = read_events(root)
     for e in events:  # settings learnt during the run (e.g. measured FLOPs) arrive as "meta" events
         if e.get("type") == "meta" and isinstance(e.get("fields"), dict):
@@ -185,6 +233,8 @@ def load_run(path: str | os.PathLike[str], warmup: int | None = None) -> Run:
     w = int(meta.get("warmup", 5)) if warmup is None else warmup
     arrays = RunArrays.from_rows(rows, warmup=w)
     context = _context(meta, events, arrays, w)
+    if rank_reasons:
+        context = dataclasses.replace(context, rank_notes=tuple(sorted(rank_reasons.items())))
     live: list[Finding] = []
     extra: list[Finding] = []
     for e in events:
@@ -198,13 +248,6 @@ def load_run(path: str | os.PathLike[str], warmup: int | None = None) -> Run:
     # An integration re-checks at every launch (e.g. uneven shards): keep each finding's latest word once.
     extra = list({f.key: f for f in extra}.values())
     return Run(root, meta, arrays, context, live, extra, problems)
-
-
-def _num(value: Any, default: float | None = None) -> float | None:
-    try:
-        return float(value) if value is not None else default
-    except (TypeError, ValueError):
-        return default
 
 
 def _context(
@@ -242,14 +285,10 @@ def _context(
                 errors.append(str(e.get("message", "")))
         except (KeyError, TypeError, ValueError):
             continue
-    return RunContext(
+    return RunContext.from_meta(
+        meta,
         world_size=world,
-        interval=int(meta.get("interval", 50)),
         warmup=warmup,
-        device=str(meta.get("device", "cpu")),
-        flops_per_step=_num(meta.get("flops_per_step")),
-        peak_flops=_num(meta.get("peak_flops")),
-        mem_limit_bytes=_num(meta.get("mem_limit_bytes")),
         segments=tuple(segments),
         counts_checks=tuple(counts),
         replica_checks=tuple(replicas),

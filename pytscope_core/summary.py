@@ -15,8 +15,8 @@ from .analysis.distributed import DistributedTiming
 from .analysis.efficiency import Efficiency
 from .analysis.memory import MemoryStats
 from .analysis.rules import run_rules
-from .analysis.run import analyze
-from .analysis.timing import StepTiming
+from .analysis.run import RankEnd, RunAnalysis, analyze
+from .analysis.timing import StepTiming, few_steps_note
 from .arrays import RunArrays
 from .context import RunContext
 from .findings import Finding
@@ -30,6 +30,7 @@ class RunInfo:
     last_step: int | None
     device: str
     restarts: int  # segments - 1: each resume from a checkpoint starts a new segment
+    rank_ends: tuple[RankEnd, ...] = ()  # ranks whose records end early, and why
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,9 @@ class Summary:
                 "last_step": self.run.last_step,
                 "device": self.run.device,
                 "restarts": self.run.restarts,
+                "rank_ends": [
+                    {"rank": e.rank, "last_step": e.last_step, "reason": e.reason} for e in self.run.rank_ends
+                ],
                 "segments": [
                     {
                         "index": s.index,
@@ -82,6 +86,7 @@ class Summary:
             },
             "timing": {
                 "steps_counted": self.timing.steps_counted,
+                "note": few_steps_note(self.timing.steps_counted),
                 "median_ms": self.timing.median_ms,
                 "p95_ms": self.timing.p95_ms,
                 "mean_ms": self.timing.mean_ms,
@@ -151,8 +156,13 @@ def summarize(
 ) -> Summary:
     """Analyse the run once, diagnose it, and add findings made elsewhere (e.g. DATA.UNEVEN_SHARDS)."""
     analysis = analyze(arrays, ctx)
-    findings = run_rules(analysis) + list(extra_findings)
-    findings.sort(key=lambda f: (-int(f.severity), f.code, f.ranks))
+    return summary_of(analysis, run_rules(analysis) + list(extra_findings))
+
+
+def summary_of(analysis: RunAnalysis, findings: list[Finding]) -> Summary:
+    """The summary of an analysis already made and diagnosed (live diagnosis analyses once per gather)."""
+    ctx = analysis.ctx
+    findings = sorted(findings, key=lambda f: (-int(f.severity), f.code, f.ranks))
     return Summary(
         run=RunInfo(
             world_size=analysis.world_size,
@@ -161,6 +171,7 @@ def summarize(
             last_step=analysis.last_step,
             device=ctx.device,
             restarts=max(len(analysis.efficiency.goodput.segments) - 1, 0),
+            rank_ends=analysis.rank_ends,
         ),
         timing=analysis.timing,
         distributed=analysis.distributed,

@@ -21,9 +21,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .findings import Finding, Severity
+from .coordinator import STORE_ERRORS
+from .findings import Finding, Severity, format_ranks
 from .recorder import StepRecorder
 from .timeline import Mark
+
+# Bound at import: user code and tests that patch `time.monotonic` / `time.time` must not move our clocks.
+_monotonic = time.monotonic
+_wall = time.time
 
 HANG_EXIT_CODE = 86
 BEAT_S = 1.0  # heartbeat period: hang detection resolves to about this
@@ -69,10 +74,10 @@ def classify_hang(beats: dict[int, dict[str, Any]], world_size: int, timeout_s: 
     where = {r: _where(beats.get(r)) for r in range(world_size)}
     if waiting and missing:
         syncs = max(int(beats[r]["syncs"]) for r in waiting) + 1
-        step = max(int(beats[r]["step"]) for r in waiting) + 1
-        title = f"rank{'s' if len(missing) > 1 else ''} {_ranks(missing)} never reached gradient all-reduce #{syncs}"
+        step = max(_label(beats[r]) for r in waiting)
+        title = f"rank{'s' if len(missing) > 1 else ''} {format_ranks(missing)} never reached gradient all-reduce #{syncs}"
         detail = (
-            f"At step {step}, rank{'s' if len(waiting) > 1 else ''} {_ranks(waiting)} "
+            f"At step {step}, rank{'s' if len(waiting) > 1 else ''} {format_ranks(waiting)} "
             f"{'have' if len(waiting) > 1 else 'has'} been waiting in backward for the gradient all-reduce for "
             f"{min(idle[r] for r in waiting):.0f} s; "
             + "; ".join(f"rank {r} {where[r]}" for r in missing)
@@ -87,7 +92,7 @@ def classify_hang(beats: dict[int, dict[str, Any]], world_size: int, timeout_s: 
         title, ranks, step = (
             "all ranks stuck inside the gradient all-reduce",
             [],
-            max(int(b["step"]) for b in beats.values()) + 1,
+            max(_label(b) for b in beats.values()),
         )
     else:
         detail = (
@@ -96,7 +101,7 @@ def classify_hang(beats: dict[int, dict[str, Any]], world_size: int, timeout_s: 
         title, ranks, step = (
             "no rank is making progress",
             list(range(world_size)),
-            max((int(b["step"]) for b in beats.values()), default=0) + 1,
+            max((_label(b) for b in beats.values()), default=1),
         )
     return Finding(
         code="DIST.HANG",
@@ -116,11 +121,13 @@ def classify_hang(beats: dict[int, dict[str, Any]], world_size: int, timeout_s: 
 def _where(beat: dict[str, Any] | None) -> str:
     if beat is None:
         return "sent no heartbeat (dead or never started)"
-    return f"is at step {int(beat['step']) + 1} in `{beat['phase']}` for {float(beat['idle_s']):.0f} s"
+    return f"is at step {_label(beat)} in `{beat['phase']}` for {float(beat['idle_s']):.0f} s"
 
 
-def _ranks(ranks: list[int]) -> str:
-    return ", ".join(str(r) for r in ranks)
+def _label(beat: dict[str, Any]) -> int:
+    """The step a rank is in, numbered as its framework numbers steps (beats carry steps done and the
+    number of the first step)."""
+    return int(beat["step"]) + int(beat.get("origin", 1))
 
 
 def dump_stacks(path: Path, rank: int) -> Path:
@@ -137,7 +144,13 @@ def dump_stacks(path: Path, rank: int) -> Path:
 
 
 class Watchdog(threading.Thread):
-    """One per rank; a daemon thread that never touches the training's tensors or collectives."""
+    """One per rank; a daemon thread that never touches the training's tensors or collectives.
+
+    On a hang the order is fixed so that nothing can stop the abort once decided: rank 0 raises the flag in
+    the store first, then reports; every rank then writes its own ungathered rows (`flush`), dumps its
+    stacks and, with on_hang="abort", exits. Each of those steps is attempted on its own; a failing one is
+    said on stderr and the next still runs.
+    """
 
     def __init__(
         self,
@@ -151,6 +164,7 @@ class Watchdog(threading.Thread):
         report: Callable[[Finding], None],
         prefix: str = "pytscope",
         disabled_key: str | None = None,
+        flush: Callable[[str], None] | None = None,
     ) -> None:
         super().__init__(name="pytscope-watchdog", daemon=True)
         self.recorder = recorder
@@ -163,12 +177,13 @@ class Watchdog(threading.Thread):
         self.report = report
         self.prefix = prefix
         self.disabled_key = disabled_key  # set in the store by a rank whose scope was disabled
+        self.flush = flush  # writes this rank's ungathered rows into the run directory
         self.stopped = threading.Event()
         self.status = ""  # "gather", "finished" ... set by the scope around its own waits
         self._seen: tuple[int, int, int] = (-1, -1, -1)
-        self._progress_t = time.monotonic()
+        self._progress_t = _monotonic()
         self._local_beat: dict[str, Any] = {}
-        self._step_seen = (recorder.steps_done, time.monotonic())
+        self._step_seen = (recorder.steps_done, _monotonic())
         self.slowest_step_s = 0.0  # longest gap between two step closes seen by this thread
 
     def stop(self, wait_s: float = STOP_WAIT_S) -> None:
@@ -184,42 +199,52 @@ class Watchdog(threading.Thread):
             try:
                 self._beat()
                 if self._hang_flag():
-                    self._on_hang_flag()
-                    return
+                    break
                 if self.rank == 0:
                     if self._peer_disabled():  # its beats stop: judging it would call a hang
                         return
                     finding = self._check()
                     if finding is not None:
-                        self.report(finding)
                         self._raise_flag()
-                        self._on_hang_flag()
-                        return
-            except Exception as exc:  # the store went away (job ending): stop quietly, never hurt training
+                        self._attempt("report the hang", self.report, finding)
+                        break
+            except STORE_ERRORS as exc:  # the store went away (job ending): stop quietly, never hurt training
                 if not self.stopped.is_set():
-                    print(f"pytscope[rank {self.rank}]: watchdog stopped: {exc}", file=sys.stderr, flush=True)
+                    _say(self.rank, f"watchdog stopped: {type(exc).__name__}: {exc}")
                 return
+        else:
+            return
+        self._on_hang()
+
+    def _attempt(self, what: str, fn: Callable[..., Any], *args: Any) -> None:
+        try:
+            fn(*args)
+        except Exception as exc:  # one failing step of the hang path must not cancel the others
+            _say(self.rank, f"could not {what}: {type(exc).__name__}: {exc}")
 
     def _beat(self) -> None:
         rec = self.recorder
-        marks = rec._marks
-        signature = (rec.steps_done, id(marks), len(marks))
-        now = time.monotonic()
+        signature, last_mark = rec.progress()
+        now = _monotonic()
         if signature != self._seen:
             self._seen = signature
             self._progress_t = now
-        if rec.steps_done != self._step_seen[0]:
+        steps_done = signature[0]
+        if steps_done != self._step_seen[0]:
             self.slowest_step_s = max(
-                self.slowest_step_s, (now - self._step_seen[1]) / (rec.steps_done - self._step_seen[0])
+                self.slowest_step_s, (now - self._step_seen[1]) / (steps_done - self._step_seen[0])
             )
-            self._step_seen = (rec.steps_done, now)
-        phase = self.status or (_PHASE_OF_MARK.get(Mark(marks[-1]), "other") if marks else "data")
+            self._step_seen = (steps_done, now)
+        phase = self.status or (
+            _PHASE_OF_MARK.get(Mark(last_mark), "other") if last_mark is not None else "data"
+        )
         self._local_beat = {
             "step": rec.completed[0],  # a rank between its optimizer step and the next loop top has done it
+            "origin": rec.step_origin,
             "phase": phase,
             "idle_s": round(now - self._progress_t, 3),
             "syncs": rec.grad_syncs,
-            "t": time.time(),
+            "t": _wall(),
         }
         if self.store is not None:
             self.store.set(f"{self.prefix}/hb/{self.rank}", json.dumps(self._local_beat))
@@ -230,13 +255,12 @@ class Watchdog(threading.Thread):
             return None
         beats: dict[int, dict[str, Any]] = {0: {**self._local_beat, "age_s": 0.0}}
         if self.store is not None:
-            now = time.time()
+            now = _wall()
             keys = [f"{self.prefix}/hb/{r}" for r in range(1, self.world_size)]
-            for r, key in enumerate(keys, start=1):
-                if self.store.check([key]):
-                    b = json.loads(self.store.get(key))
-                    b["age_s"] = max(0.0, now - float(b["t"]))
-                    beats[r] = b
+            for r, raw in read_beats(self.store, keys).items():
+                b = json.loads(raw)
+                b["age_s"] = max(0.0, now - float(b["t"]))
+                beats[r + 1] = b
         return classify_hang(beats, self.world_size, timeout)
 
     def _peer_disabled(self) -> bool:
@@ -249,23 +273,38 @@ class Watchdog(threading.Thread):
 
     def _raise_flag(self) -> None:
         if self.store is not None:
-            self.store.set(f"{self.prefix}/hang", "1")
+            self._attempt("raise the hang flag", self.store.set, f"{self.prefix}/hang", "1")
 
-    def _on_hang_flag(self) -> None:
-        dump_stacks(self.run_dir, self.rank)
+    def _on_hang(self) -> None:
+        if self.flush is not None:
+            self._attempt("write this rank's steps", self.flush, "hang")
+        self._attempt("dump the stacks", dump_stacks, self.run_dir, self.rank)
         if self.store is not None:
-            self.store.set(f"{self.prefix}/dumped/{self.rank}", "1")
+            self._attempt(
+                "tell rank 0 the stacks are dumped", self.store.set, f"{self.prefix}/dumped/{self.rank}", "1"
+            )
         if self.on_hang != "abort":
             return
         if self.rank == 0 and self.store is not None:
-            deadline = time.monotonic() + DUMP_WAIT_S
-            keys = [f"{self.prefix}/dumped/{r}" for r in range(self.world_size)]
-            while time.monotonic() < deadline and not all(self.store.check([k]) for k in keys):
-                time.sleep(0.1)
-        print(
-            f"pytscope[rank {self.rank}]: hang detected, exiting with code {HANG_EXIT_CODE} (on_hang='abort')",
-            file=sys.stderr,
-            flush=True,
-        )
+            self._attempt("wait for the other ranks' stacks", self._wait_for_dumps)
+        _say(self.rank, f"hang detected, exiting with code {HANG_EXIT_CODE} (on_hang='abort')")
         sys.stdout.flush()
         os._exit(HANG_EXIT_CODE)
+
+    def _wait_for_dumps(self) -> None:
+        deadline = _monotonic() + DUMP_WAIT_S
+        keys = [f"{self.prefix}/dumped/{r}" for r in range(self.world_size)]
+        while _monotonic() < deadline and not self.store.check(keys):
+            time.sleep(0.1)
+
+
+def read_beats(store: Any, keys: list[str]) -> dict[int, bytes]:
+    """The heartbeats present under `keys`, by index: one round trip when all are there (`multi_get`),
+    else one check and one get per key."""
+    if keys and hasattr(store, "multi_get") and store.check(keys):
+        return dict(enumerate(store.multi_get(keys)))
+    return {i: store.get(k) for i, k in enumerate(keys) if store.check([k])}
+
+
+def _say(rank: int, message: str) -> None:
+    print(f"pytscope[rank {rank}]: {message}", file=sys.stderr, flush=True)

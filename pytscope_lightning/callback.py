@@ -25,6 +25,7 @@ try:
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("pytscope_lightning needs Lightning: pip install 'pytscope[lightning]'") from exc
 
+from pytscope_core.options import ScopeOptions
 from pytscope_core.scope import Scope
 from pytscope_core.shards import uneven_shards_finding
 from pytscope_core.timeline import Mark
@@ -50,32 +51,19 @@ def _guarded(hook: Callable[..., None]) -> Callable[..., None]:
 class ScopeCallback(Callback):
     """Why a Lightning fit is slow or unhealthy, on every rank, live and at the end.
 
-    `Trainer(callbacks=[ScopeCallback(run_dir="runs/exp1")])`, then `pytscope report runs/exp1`. Options mean
-    what they mean on `pytscope_core.Scope`. After the fit, `callback.scope.summary` holds rank 0's summary.
+    `Trainer(callbacks=[ScopeCallback(run_dir="runs/exp1")])`, then `pytscope report runs/exp1`. Keyword
+    options are those of `pytscope_core.ScopeOptions` (validated here, in the user's process). Steps are
+    numbered as Lightning's loggers number them (`trainer.global_step` while the step runs). Each fit is
+    recorded: a later fit of the same trainer continues the run as a new segment, a fit of a new trainer
+    starts a new run. After the fit, `callback.scope.summary` holds rank 0's summary.
     """
 
-    def __init__(
-        self,
-        run_dir: str | None = None,
-        *,
-        interval: int = 50,
-        warmup: int = 5,
-        hang_timeout: float | None | str = "auto",
-        on_hang: str = "abort",
-        console: bool = True,
-    ) -> None:
-        self._options: dict[str, Any] = dict(
-            run_dir=run_dir,
-            interval=interval,
-            warmup=warmup,
-            hang_timeout=hang_timeout,
-            on_hang=on_hang,
-            console=console,
-        )
-        Scope(**self._options)  # bad options fail here, in the user's process, not later inside every worker
+    def __init__(self, run_dir: str | None = None, **options: Any) -> None:
+        self.options = ScopeOptions(run_dir=run_dir, **options)
         self.scope: Scope | None = None
         self._ddp: Any = None  # the strategy's DistributedDataParallel, when there is one
         self._restored: dict[str, Any] | None = None
+        self._fits = 0
 
     # -- pickling (ddp_spawn) and checkpoints -------------------------------------------------------------
     def __getstate__(self) -> dict[str, Any]:
@@ -92,10 +80,22 @@ class ScopeCallback(Callback):
 
     # -- fit start and end --------------------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage == "fit" and self.scope is None:
-            self.scope = Scope(**self._options, integration="lightning")
-            if self._restored:
-                self.scope.load_state_dict(self._restored)
+        if stage != "fit" or (self.scope is not None and not self.scope.finished):
+            return
+        previous = self.scope.state_dict() if self.scope is not None else None
+        self._fits += 1
+        options = self.options
+        if previous is not None and trainer.global_step < previous["step"]:
+            # A new trainer starts counting again: its steps would collide with the first fit's.
+            base = options.run_dir or previous["run_dir"]
+            options = options.replace(run_dir=f"{base}-fit{self._fits}")
+        self.scope = Scope(
+            options=options, integration="lightning", step_origin=0, precision=_precision(trainer)
+        )
+        if self._restored:
+            self.scope.load_state_dict(self._restored)
+        elif previous is not None and options.run_dir == self.options.run_dir:
+            self.scope.load_state_dict({**previous, "run_dir": previous["run_dir"]})
 
     @_guarded
     def on_train_start(self, scope: Scope, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -103,7 +103,7 @@ class ScopeCallback(Callback):
         scope.start()  # collective: every rank is here, after the strategy set up the process group
         _time_sigterm_broadcast(scope, trainer)
         self._check_shards(scope, trainer)
-        scope.data_begin()
+        scope.hooks.data_begin()
 
     @_guarded
     def on_train_end(self, scope: Scope, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -111,21 +111,34 @@ class ScopeCallback(Callback):
         trainer.fit_loop.epoch_loop.__dict__.pop("_broadcast_sigterm_tensor", None)
         scope.finish()
 
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        # The other ranks may be gone: end without meeting them, and never leave a watchdog behind.
+        if self.scope is not None:
+            trainer.fit_loop.epoch_loop.__dict__.pop("_broadcast_sigterm_tensor", None)
+            self.scope.stop(f"the fit raised {type(exception).__name__}")
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit" and self.scope is not None and not self.scope.finished:
+            self.scope.stop("the fit ended before its training did")
+
     # -- one step -----------------------------------------------------------------------------------------
     @_guarded
     def on_train_batch_start(
         self, scope: Scope, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         scope.resume()  # ends a checkpoint or epoch-boundary pause; a no-op on the timeline otherwise
-        scope.data_end(batch)
-        scope.forward_begin()
+        scope.hooks.data_end(batch)
+        scope.recorder.label_step(trainer.global_step)  # what Lightning's loggers call this step
+        scope.hooks.forward_begin()
 
     @_guarded
     def on_before_backward(
         self, scope: Scope, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Any
     ) -> None:
         # Lightning enters DDP's no_sync() for accumulation micro-batches: those backwards do not all-reduce.
-        scope.forward_end(
+        scope.hooks.forward_done(
             loss, grad_sync=self._ddp is not None and bool(self._ddp.require_backward_grad_sync)
         )
 
@@ -133,7 +146,7 @@ class ScopeCallback(Callback):
     def on_before_optimizer_step(
         self, scope: Scope, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
     ) -> None:
-        scope.optimizer_begin()
+        scope.hooks.optimizer_begin()
 
     @_guarded
     def on_train_batch_end(
@@ -146,7 +159,7 @@ class ScopeCallback(Callback):
         batch_idx: int,
     ) -> None:
         scope.log(loss=_loss_of(outputs, trainer, pl_module))
-        scope.data_begin()  # loop top: what follows until the next batch arrives is the wait for data
+        scope.hooks.data_begin()  # loop top: what follows until the next batch arrives is the wait for data
 
     # -- time that is not a training step -----------------------------------------------------------------
     @_guarded
@@ -178,7 +191,14 @@ class ScopeCallback(Callback):
         # No optimizer pre-hook: Lightning calls step(closure) before the forward even starts.
         scope.watch(optimizer=list(trainer.optimizers), optimizer_pre_hook=False, manual_data=True)
         scope.watch_backward(pl_module)  # persistent gradient-ready hooks: nothing registered per step
-        scope.metrics_sink = functools.partial(_log_metrics, trainer)
+        scope.set_metrics_sink(functools.partial(_log_metrics, trainer))
+        flops_per_batch = getattr(pl_module, "flops_per_batch", None)  # what ThroughputMonitor reads
+        if (
+            self.options.flops_per_step is None
+            and isinstance(flops_per_batch, (int, float))
+            and flops_per_batch > 0
+        ):
+            scope.set_flops_per_step(float(flops_per_batch) * _batches_per_step(trainer, pl_module))
         model = trainer.strategy.model
         if isinstance(model, torch.nn.parallel.DistributedDataParallel):
             self._ddp = model
@@ -196,6 +216,25 @@ class ScopeCallback(Callback):
         finding = uneven_shards_finding([r[0] for r in every_rank]) if every_rank is not None else None
         if finding is not None:
             scope.add_finding(finding)
+
+
+def _precision(trainer: pl.Trainer) -> str | None:
+    """The peak-table precision of Lightning's precision setting ("bf16-mixed" -> "bf16", "32-true" -> fp32
+    or tf32); None when the setting says nothing (the scope then decides from the model)."""
+    text = str(getattr(trainer, "precision", ""))
+    if "16" in text.split("-")[0]:
+        return "bf16"
+    if text.startswith("32") or text.startswith("64"):
+        import torch
+
+        from pytscope_core.flops import training_precision
+
+        return training_precision(torch.float32, autocast=False)
+    return None
+
+
+def _batches_per_step(trainer: pl.Trainer, pl_module: pl.LightningModule) -> int:
+    return int(trainer.accumulate_grad_batches) if pl_module.automatic_optimization else 1
 
 
 def _time_sigterm_broadcast(scope: Scope, trainer: pl.Trainer) -> None:

@@ -7,6 +7,7 @@ blocks at one step, a rank whose every step is slow but progressing, a rank that
 from __future__ import annotations
 
 import os
+import signal
 import time
 from typing import Any
 
@@ -55,6 +56,11 @@ def _main(rank: int, world: int, port: int, o: dict[str, Any]) -> None:
             spin(o["spin_ms"])
         if slow and step == o.get("block_at"):
             spin(3600e3)
+        if slow and step == o.get("sigterm_at"):
+            os.kill(os.getpid(), signal.SIGTERM)  # what a launcher sends before SIGKILL
+        if rank == 0 and o.get("eval_every") and step % o["eval_every"] == 0:
+            with scope.paused():  # evaluation on rank 0 only, as many DDP scripts do
+                spin(o["eval_ms"])
         if o.get("skip_sync_at") == step and slow:
             with ddp.no_sync():
                 loss = F.cross_entropy(ddp(x), y)
@@ -68,7 +74,7 @@ def _main(rank: int, world: int, port: int, o: dict[str, Any]) -> None:
     scope.finish()
     # The scope's own gloo group is gone with its last reference: its threads are not left for the
     # interpreter's shutdown.
-    assert scope._gatherer is None
+    assert scope.coordinator.gatherer is None
     dist.barrier()
     dist.destroy_process_group()
     time.sleep(0.1)

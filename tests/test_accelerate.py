@@ -204,7 +204,15 @@ def test_live_metrics_reach_accelerate_trackers(tmp_path: Path, monkeypatch: pyt
     model = torch.nn.Linear(8, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-    scope = AccelerateScope(accelerator, tmp_path / "run", interval=10, warmup=2, console=False)
+    scope = AccelerateScope(
+        accelerator,
+        tmp_path / "run",
+        interval=10,
+        warmup=2,
+        console=False,
+        flops_per_step=3e5,
+        peak_flops=1e9,
+    )
     scope.watch(model, optimizer, loader)
     for xb, yb in loader:
         loss = torch.nn.functional.mse_loss(model(xb), yb)
@@ -221,6 +229,9 @@ def test_live_metrics_reach_accelerate_trackers(tmp_path: Path, monkeypatch: pyt
         "pytscope/step_ms" in values and values["pytscope/step_ms"] > 0 for values, _ in tracker.logged
     )
     assert summary.run.steps == 30
+    # MFU through the adapter: in every live metrics record and in the summary.
+    assert all(values["pytscope/mfu"] > 0 for values, _ in tracker.logged)
+    assert summary.efficiency.mfu == pytest.approx(3e5 / (summary.timing.mean_ms / 1e3) / 1e9)
 
 
 def test_blocked_rank_is_reported_as_hang_and_the_job_ends(tmp_path: Path) -> None:

@@ -86,7 +86,7 @@ def test_healthy_runs_have_no_high_or_med_finding(ranks):
 
 
 def test_two_rank_alternating_difference_is_not_a_straggler():
-    # MEASUREMENTS.md 3: healthy 2-rank runs differ by up to ~7% in median with the faster rank alternating.
+    # docs/MEASUREMENTS.md item 3: healthy 2-rank runs differ by up to ~7% in median with the faster rank alternating.
     rng = np.random.default_rng(1)
     steps = 600
     arrays = make_run(steps, 2, noise=0.0)

@@ -3,6 +3,7 @@
 import time
 
 import ddp_worker
+import numpy as np
 import pytest
 import torch.multiprocessing as mp
 
@@ -53,8 +54,18 @@ def test_blocked_rank_is_reported_as_hang_and_the_job_ends_fast(tmp_path):
         ddp_worker.run(2, dict(run_dir=str(tmp_path), steps=100, block_at=30, hang_timeout=5.0))
     assert info.value.exit_code == HANG_EXIT_CODE
     assert time.monotonic() - start < 60
-    hang = [f for f in report(tmp_path)["findings"] if f["code"] == "DIST.HANG"]
+    s = report(tmp_path)
+    hang = [f for f in s["findings"] if f["code"] == "DIST.HANG"]
     assert hang and hang[0]["ranks"] == [1] and hang[0]["steps"] == [30]
+    # One problem, one HIGH finding: the records no gather took are missing, not NaN losses or lost syncs.
+    assert [f["code"] for f in s["findings"] if f["severity"] == "HIGH"] == ["DIST.HANG"], s["findings"]
+    # Every rank wrote its own steps up to the hang: both ranks' records reach step 29.
+    arrays = load_run(tmp_path).arrays
+    assert [int(arrays.steps[np.isfinite(arrays.wall_ms[:, i])].max()) for i in range(2)] == [29, 29]
+    assert s["run"]["rank_ends"] == [
+        {"rank": 0, "last_step": 29, "reason": "hang"},
+        {"rank": 1, "last_step": 29, "reason": "hang"},
+    ]
     assert "rank 0" in hang[0]["detail"] and "waiting" in hang[0]["detail"]
     for r in (0, 1):
         assert "Thread" in (tmp_path / "stacks" / f"rank{r}.txt").read_text()
@@ -79,3 +90,34 @@ def test_rank_that_skips_one_gradient_sync_is_a_desync_before_it_hangs(tmp_path)
     assert findings["DIST.DESYNC"]["ranks"] == [1]
     assert 1 in findings["DIST.REPLICA_DRIFT"]["ranks"]
     assert findings["DIST.HANG"]["ranks"] == [1]
+
+
+def test_sigterm_from_the_launcher_keeps_every_ranks_steps(tmp_path):
+    # SIGTERM on rank 1 at step 35: it writes its ungathered steps, then dies as before; rank 0 is then ended
+    # by the launcher (here torch.multiprocessing, with SIGTERM too).
+    with pytest.raises(mp.ProcessExitedException):
+        ddp_worker.run(
+            2, dict(run_dir=str(tmp_path), steps=100, sigterm_at=35, interval=20, hang_timeout=None)
+        )
+    s = report(tmp_path)
+    arrays = load_run(tmp_path).arrays
+    rank1 = arrays.steps[np.isfinite(arrays.wall_ms[:, 1])]
+    assert rank1.max() == 34  # gathered up to 20, then 21-34 from its own file
+    assert {"rank": 1, "last_step": 34, "reason": "SIGTERM"} in s["run"]["rank_ends"]
+    assert [f["code"] for f in s["findings"] if f["severity"] == "HIGH"] == [], s["findings"]
+
+
+def test_evaluation_on_rank_0_only_is_not_imbalance_and_does_not_break_gathers(tmp_path):
+    # Rank 0 evaluates for 400 ms inside scope.paused() every 20 steps, right at the gather boundary; rank 1
+    # waits for it in the next all-reduce. That wait is not training, not the straggler's bill, not comm.
+    ddp_worker.run(2, dict(run_dir=str(tmp_path), steps=100, interval=20, eval_every=20, eval_ms=400.0))
+    s = report(tmp_path)
+    assert s["run"]["steps"] == 100 and s["scope"]["errors"] == []
+    assert s["distributed"]["stragglers"] == [] and s["distributed"]["lost_to_imbalance"] == 0
+    waiting = s["distributed"]["per_rank"][1]
+    assert waiting["comm_ms"] < 50, waiting  # not 400 ms every 20th step (medians hide that: check means)
+    arrays = load_run(tmp_path).arrays
+    assert np.nanmax(arrays.comm_ms[:, 1]) < 200, np.nanmax(arrays.comm_ms[:, 1])
+    assert not {"DIST.LOAD_IMBALANCE", "DIST.STRAGGLER", "DIST.COMM_BOUND"} & {
+        f["code"] for f in s["findings"]
+    }

@@ -8,7 +8,7 @@ import pathlib
 import pytest
 
 from pytscope_core import flops
-from pytscope_core.flops import PEAK_FLOPS, measure_flops_per_step, peak_flops_for
+from pytscope_core.flops import PEAK_FLOPS, FlopEstimate, peak_flops_for
 
 
 @pytest.mark.parametrize(
@@ -42,14 +42,38 @@ def test_torch_not_imported_at_module_level():
     assert not any("torch" in ast.dump(n) for n in top)
 
 
+def count_step(at_step, steps, body):
+    """Drive a FlopEstimate as the hooks do: begin at each step's forward, end before its optimizer."""
+    results = []
+    est = FlopEstimate(at_step, results.append)
+    for step in steps:
+        est.begin(step)
+        body()
+        if est.counting:
+            est.end()
+    return results
+
+
 def test_measure_flops_of_a_matmul():
     torch = pytest.importorskip("torch")
     a, b = torch.ones(8, 16), torch.ones(16, 4)
-    assert measure_flops_per_step(lambda: a @ b) == 2 * 8 * 16 * 4
+    assert count_step(2, [1, 2, 3], lambda: a @ b) == [2 * 8 * 16 * 4]  # only step 2 is counted
+
+
+def test_measure_flops_of_forward_and_backward():
+    torch = pytest.importorskip("torch")
+    w = torch.ones(16, 4, requires_grad=True)
+    x = torch.ones(8, 16)
+    # forward 2*8*16*4, backward: grad of w only (x needs none) = one more matmul of the same size
+    assert count_step(1, [1], lambda: (x @ w).sum().backward()) == [2 * (2 * 8 * 16 * 4)]
 
 
 def test_measure_flops_failure_gives_none():
-    def boom():
-        raise RuntimeError("no")
+    assert count_step(1, [1], lambda: None) == [None]  # nothing counted: MFU stays n/a
 
-    assert measure_flops_per_step(boom) is None
+
+def test_dense_peaks_per_precision():
+    assert peak_flops_for("NVIDIA H200", "bf16") == 989e12  # dense, not the 1,979 TFLOP/s sparse figure
+    assert peak_flops_for("NVIDIA H100 80GB HBM3", "fp32") == 66.9e12
+    assert peak_flops_for("NVIDIA H200 NVL") == 835e12
+    assert peak_flops_for("NVIDIA H200", "fp64") is None

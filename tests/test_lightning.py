@@ -70,7 +70,7 @@ def test_single_device_fit_is_recorded_and_reported(tmp_path: Path) -> None:
     )  # fmt: skip
     assert "Step-time breakdown" in proc.stdout  # the end-of-fit summary on the console
     rows = read_rows(run_dir)
-    assert rows[:, COL["step"]].tolist() == list(range(1, 121))
+    assert rows[:, COL["step"]].tolist() == list(range(0, 120))  # Lightning's global_step, as its loggers
     assert np.isfinite(rows[:, COL["loss"]]).all()
     assert (rows[:, COL["samples"]] == 16).all() and (rows[:, COL["micro_batches"]] == 1).all()
     phases = rows[:, [COL[f"{p}_ms"] for p in ("data", "forward", "backward", "comm", "optimizer", "other")]]
@@ -180,10 +180,10 @@ def test_resume_from_checkpoint_continues_the_run_without_double_counting(tmp_pa
     rows = read_rows(run_dir)
     for rank in (0, 1):
         steps = rows[rows[:, COL["rank"]] == rank][:, COL["step"]]
-        assert sorted(steps.tolist()) == list(range(1, 101))  # each step once: nothing counted twice
+        assert sorted(steps.tolist()) == list(range(0, 100))  # each step once: nothing counted twice
     segment = rows[:, COL["segment"]]
-    assert set(segment[rows[:, COL["step"]] <= 60].tolist()) == {0.0}
-    assert set(segment[rows[:, COL["step"]] > 60].tolist()) == {1.0}
+    assert set(segment[rows[:, COL["step"]] < 60].tolist()) == {0.0}
+    assert set(segment[rows[:, COL["step"]] >= 60].tolist()) == {1.0}
     summary = _summary(run_dir)
     assert summary["run"]["steps"] == 100 and summary["run"]["restarts"] == 1
 
@@ -252,8 +252,111 @@ def test_blocked_rank_is_reported_as_hang_and_both_processes_exit(tmp_path: Path
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert proc.returncode != 0 and time.monotonic() - start < 60, proc.stderr[-3000:]
-    hang = [f for f in _summary(run_dir)["findings"] if f["code"] == "DIST.HANG"]
+    summary = _summary(run_dir)
+    hang = [f for f in summary["findings"] if f["code"] == "DIST.HANG"]
     assert hang and hang[0]["ranks"] == [1] and hang[0]["steps"] == [30], hang
+    # The hang is the one HIGH finding: records never gathered are missing, not bad losses or diverged syncs.
+    assert _codes(summary, "HIGH") == ["DIST.HANG"], summary["findings"]
     for rank in (0, 1):
         assert "Thread" in (run_dir / "stacks" / f"rank{rank}.txt").read_text()
     assert "spin" in (run_dir / "stacks" / "rank1.txt").read_text()
+    # Every rank's steps up to the hang are in the run: each wrote what no gather took.
+    arrays = load_run(run_dir).arrays
+    for i, rank in enumerate(arrays.ranks.tolist()):
+        recorded = arrays.steps[np.isfinite(arrays.wall_ms[:, i])]
+        assert recorded.max() == 29, (rank, recorded.max())  # step 30 never closed on either rank
+    assert {r["rank"]: r["reason"] for r in summary["run"]["rank_ends"]} == {0: "hang", 1: "hang"}
+
+
+def test_an_exception_in_fit_ends_the_scope_and_nothing_kills_the_process_later(tmp_path: Path) -> None:
+    # A notebook kernel or sweep driver that catches the exception must live on: no watchdog left behind.
+    run_dir = tmp_path / "run"
+    _run(
+        JOB, "--run-dir", run_dir, "--steps", 100, "--interval", 10, "--raise-at", 25, "--hang-timeout", 1,
+        "--result", tmp_path / "result.json", cwd=tmp_path,
+    )  # fmt: skip
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["caught"] == "RuntimeError: injected error"  # and the script slept 3x hang_timeout after it
+    summary = _summary(run_dir)
+    assert summary["run"]["last_step"] == 24  # every step that finished before the exception is in the run
+    assert "DIST.HANG" not in _codes(summary)
+    assert any("the fit raised RuntimeError" in e for e in summary["scope"]["errors"])
+
+
+def test_a_keyboard_interrupt_in_fit_ends_the_scope(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, str(JOB), "--run-dir", str(run_dir), "--steps", "100", "--interval", "10",
+         "--raise-at", "25", "--interrupt", "--hang-timeout", "1"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode != 86, proc.stderr[-3000:]  # Lightning's own exit code, never the hang abort
+    assert "hang detected" not in proc.stderr
+    assert "DIST.HANG" not in _codes(_summary(run_dir))
+
+
+def test_every_fit_is_recorded(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    _run(JOB, "--run-dir", run_dir, "--steps", 20, "--interval", 10, "--fits", 2, cwd=tmp_path)
+    assert _summary(run_dir)["run"]["steps"] == 20
+    second = tmp_path / "run-fit2"  # a new trainer counts from 0 again: its own run
+    assert _summary(second)["run"]["steps"] == 20
+
+
+def test_one_step_gives_no_timing_finding_above_low(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    _run(JOB, "--run-dir", run_dir, "--fast-dev-run", cwd=tmp_path)
+    summary = _summary(run_dir)
+    assert summary["run"]["steps"] == 1
+    assert _codes(summary, "HIGH", "MED") == [], summary["findings"]
+    assert "too few" in summary["timing"]["note"]
+
+
+def test_steps_follow_lightning_global_step(tmp_path: Path) -> None:
+    # The loss is infinite from global_step 40 on: TensorBoard and CSV show it at 40, and so does pytscope.
+    run_dir = tmp_path / "run"
+    _run(JOB, "--run-dir", run_dir, "--steps", 60, "--interval", 20, "--inf-from", 40, cwd=tmp_path)
+    nonfinite = [f for f in _summary(run_dir)["findings"] if f["code"] == "CONVERGENCE.NONFINITE"]
+    assert nonfinite and nonfinite[0]["steps"] == [40], nonfinite
+
+
+def test_manual_optimization_with_two_optimizers_numbers_steps_as_lightning(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    _run(
+        JOB, "--run-dir", run_dir, "--steps", 40, "--interval", 5, "--manual", "--csv-dir", tmp_path / "csv",
+        "--result", tmp_path / "result.json", cwd=tmp_path,
+    )  # fmt: skip
+    assert json.loads((tmp_path / "result.json").read_text())["global_step"] == 40
+    rows = read_rows(run_dir)
+    assert rows[:, COL["step"]].tolist() == list(range(0, 40, 2))  # one record per batch, at global_step
+
+
+@pytest.mark.parametrize(
+    "flops_args, expected",
+    [
+        (("--flops-per-step", 4e6), 4e6),  # given
+        (("--flops-per-batch", 1e6, "--accumulate", 2), 2e6),  # read from the module, per optimizer step
+        ((), None),  # counted on a warm-up step
+    ],
+)
+def test_mfu_through_the_callback(
+    tmp_path: Path, flops_args: tuple[Any, ...], expected: float | None
+) -> None:
+    run_dir, csv = tmp_path / "run", tmp_path / "csv"
+    _run(
+        JOB, "--run-dir", run_dir, "--steps", 40, "--interval", 10, "--peak-flops", 1e10, "--csv-dir", csv,
+        *flops_args, cwd=tmp_path,
+    )  # fmt: skip
+    run = load_run(run_dir)
+    summary = _summary(run_dir)
+    flops = run.context.flops_per_step
+    if (
+        expected is None
+    ):  # Linear(32,128)+Linear(128,8) on 16 samples: forward 2*16*(32*128+128*8), backward ~2x
+        assert run.meta["flops_estimated"] is True
+        assert 2 * 16 * (32 * 128 + 128 * 8) * 2 < flops < 2 * 16 * (32 * 128 + 128 * 8) * 3.5
+    else:
+        assert flops == expected and run.meta["flops_estimated"] is False
+    assert summary["efficiency"]["mfu"] == pytest.approx(flops / (summary["timing"]["mean_ms"] / 1e3) / 1e10)
+    logged = (csv / "metrics.csv").read_text()
+    assert "pytscope/mfu" in logged.splitlines()[0]  # live metrics carry MFU to Lightning's loggers

@@ -172,3 +172,182 @@ def test_demo_scenarios_find_their_fault(tmp_path, capsys, scenario, code):
         from pytscope_core.demo import SPIKE_STEPS
 
         assert set(SPIKE_STEPS) <= set(found[code]["steps"])  # the injected steps, not only their aftermath
+
+
+# -- one set of options ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(interval=0), "interval"),
+        (dict(hang_timeout=-1), "hang_timeout"),
+        (dict(on_hang="exit"), "on_hang"),
+        (dict(flops_per_step=0), "flops_per_step"),
+        (dict(gather_timeout="soon"), "gather_timeout"),
+    ],
+)
+def test_bad_options_fail_at_construction_with_one_clear_message(options, message):
+    with pytest.raises(ValueError, match=message):
+        Scope(**options)
+
+
+def test_an_unknown_option_is_refused():
+    with pytest.raises(TypeError, match="intervall"):
+        Scope(intervall=5)
+
+
+# -- MFU ----------------------------------------------------------------------------------------------------
+
+
+def test_mfu_from_given_flops_and_peak(tmp_path):
+    scope, _, _ = train(tmp_path, epochs=1, flops_per_step=2e6, peak_flops=1e9)
+    summary = scope.finish()
+    step_s = summary.timing.mean_ms / 1e3
+    assert summary.efficiency.mfu == pytest.approx(2e6 / step_s / 1e9)
+    assert json.loads((tmp_path / "meta.json").read_text())["flops_estimated"] is False
+
+
+def test_flops_are_estimated_on_a_warm_up_step_when_not_given(tmp_path):
+    scope, _, _ = train(tmp_path, epochs=1, peak_flops=1e9, warmup=3)
+    summary = scope.finish()
+    run = load_run(tmp_path)
+    # Linear(8, 32) + Linear(32, 1) on 16 samples: forward 2*16*(8*32 + 32*1); backward: weight gradients of
+    # both layers and the input gradient of the second (the first layer's input needs none): 2x forward
+    # less the first layer's input gradient.
+    forward = 2 * 16 * (8 * 32 + 32 * 1)
+    backward = 2 * 16 * (8 * 32) + 2 * 2 * 16 * (32 * 1)
+    assert run.meta["flops_estimated"] is True
+    assert run.context.flops_per_step == forward + backward
+    assert summary.efficiency.mfu is not None and summary.efficiency.mfu > 0
+
+
+def test_no_flops_counted_without_warm_up(tmp_path):
+    scope, _, _ = train(tmp_path, epochs=1, peak_flops=1e9, warmup=0)
+    assert scope.finish().efficiency.mfu is None  # the counted step would be in the statistics
+
+
+# -- live and final diagnosis judge the same facts ------------------------------------------------------------
+
+
+def test_live_memory_pressure_fires_where_the_final_report_has_it(tmp_path):
+    from pytscope_core.clocks import HostClock
+    from pytscope_core.session import _host_memory
+
+    limit = _host_memory()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scope = Scope(tmp_path, console=False, hang_timeout=None, interval=20, warmup=2)
+    scope.recorder.use_clock(HostClock(), lambda: 0.95 * limit, memory_every=1)  # a process near the limit
+    scope.watch(model, opt)
+    live_codes = set()
+    for _ in range(60):
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        live_codes |= {f.code for f in scope.findings}
+    final = {f.code for f in scope.finish().findings}
+    assert "MEMORY.PRESSURE" in live_codes and "MEMORY.PRESSURE" in final
+
+
+# -- a disabled scope ---------------------------------------------------------------------------------------
+
+
+def test_a_disabled_scope_records_nothing_more_on_any_path(tmp_path):
+    scope, model, loader = train(tmp_path, epochs=1, steps_per_epoch=5)
+    scope.fail(RuntimeError("injected"))
+    closed_before = len(scope.recorder.window)  # kept for a last flush, never more
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for _ in range(200):
+        with scope.paused():  # evaluation, checkpointing
+            pass
+        scope.hooks.data_begin()  # what integrations mark themselves
+        scope.hooks.forward_begin()
+        model(torch.randn(2, 8)).sum().backward()
+        opt.step()
+    progress, _ = scope.recorder.progress()
+    assert progress[2] == 0 and len(scope.recorder.window) == closed_before and not scope.recorder.in_step
+    scope.finish()
+
+
+# -- the hang path ------------------------------------------------------------------------------------------
+
+
+def test_a_failing_hang_report_does_not_cancel_the_abort(tmp_path):
+    # The abort is decided before anything else runs; an error while reporting must not leave the job hung.
+    script = textwrap.dedent(f"""
+        import torch
+        from pytscope_core import Scope
+        model = torch.nn.Linear(4, 1); opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        scope = Scope({str(tmp_path)!r}, console=False, hang_timeout=1.0)
+        scope.watch(model, opt)
+        for step in range(1, 100):
+            if step == 8:
+                def broken(finding, step):
+                    raise OSError("disk full")
+                scope.session.live.hang = broken
+                while True:
+                    pass  # stuck
+            model(torch.randn(2, 4)).sum().backward(); opt.step(); opt.zero_grad()
+    """)
+    (tmp_path / "job.py").write_text(script)
+    proc = subprocess.run(
+        [sys.executable, str(tmp_path / "job.py")], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == HANG_EXIT_CODE, proc.stderr
+    assert "could not report the hang: OSError: disk full" in proc.stderr
+    assert "while True" in (tmp_path / "stacks" / "rank0.txt").read_text()  # the dump still happened
+
+
+def test_pending_rows_leave_the_recorder_as_it_was(tmp_path):
+    # What the watchdog thread (hang) or a signal handler (SIGTERM) reads must not change the training
+    # thread's state: the same rows go to the next gather.
+    scope, _, _ = train(tmp_path, epochs=1, steps_per_epoch=10)
+    rec = scope.recorder
+    before = list(rec.window)
+    rows = rec.pending_rows(0, 0, 0.0)
+    assert rows.shape[0] == len(before) > 0 and rec.window == before
+    assert rec.drain(0, 0, 0.0).tolist() == rows.tolist()
+    scope.finish()
+
+
+def test_sigterm_leaves_the_ungathered_steps_behind_and_still_ends_the_process(tmp_path):
+    script = textwrap.dedent(f"""
+        import os, signal, torch
+        from pytscope_core import Scope
+        model = torch.nn.Linear(4, 1); opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        scope = Scope({str(tmp_path)!r}, console=False, hang_timeout=None, interval=50)
+        scope.watch(model, opt)
+        for step in range(1, 100):
+            if step == 80:
+                os.kill(os.getpid(), signal.SIGTERM)  # a launcher ending the job
+            model(torch.randn(2, 4)).sum().backward(); opt.step(); opt.zero_grad()
+    """)
+    (tmp_path / "job.py").write_text(script)
+    proc = subprocess.run(
+        [sys.executable, str(tmp_path / "job.py")], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == -15, proc.stderr  # SIGTERM still does what it did: the default ends the process
+    run = load_run(tmp_path)
+    # Gathered up to 50, then 51-79 from its own file: step 79 finished its optimizer step before the signal.
+    assert run.arrays.steps.tolist() == list(range(1, 80))
+    summary = summarize(run.arrays, run.context).to_dict()
+    assert summary["run"]["rank_ends"] == [{"rank": 0, "last_step": 79, "reason": "SIGTERM"}]
+
+
+def test_the_peak_follows_autocast_in_a_plain_loop(tmp_path):
+    # fp32 parameters under bf16 autocast train at the bf16 rate: the bf16 peak is the one MFU divides by.
+    model = torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scope = Scope(tmp_path, console=False, hang_timeout=None, interval=10)
+    scope.watch(model, opt)
+    for _ in range(12):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(torch.randn(4, 8)).float().sum()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    scope.finish()
+    assert json.loads((tmp_path / "meta.json").read_text())["peak_precision"] == "bf16"
+    assert scope.flops.precision == "bf16"

@@ -128,14 +128,18 @@ def first_nonfinite(arrays: RunArrays) -> tuple[int | None, tuple[int, ...]]:
     s, r = loss.shape
     if s == 0 or r == 0:
         return None, ()
+    # A NaN where a rank has no record at all (never gathered: a hang, a kill) is missing, not a bad loss.
+    present = np.isfinite(arrays.wall_ms)
     if loss.strides[1] == 0:  # the same loss on every rank: judge one column, blame every rank
-        step, ranks = first_nonfinite_columns(loss[:, :1], arrays.steps, arrays.ranks[:1])
+        step, ranks = first_nonfinite_columns(
+            loss[:, :1], arrays.steps, arrays.ranks[:1], present.all(axis=1)[:, None]
+        )
         return step, (tuple(int(x) for x in arrays.ranks) if step is not None else ())
-    return first_nonfinite_columns(loss, arrays.steps, arrays.ranks)
+    return first_nonfinite_columns(loss, arrays.steps, arrays.ranks, present)
 
 
 def first_nonfinite_columns(
-    loss: np.ndarray, steps: np.ndarray, rank_ids: np.ndarray
+    loss: np.ndarray, steps: np.ndarray, rank_ids: np.ndarray, present: np.ndarray | None = None
 ) -> tuple[int | None, tuple[int, ...]]:
     s = loss.shape[0]
     bad = np.isinf(loss)
@@ -149,6 +153,8 @@ def first_nonfinite_columns(
     if cols.size:
         rows = last_fin[cols] + 1
         nan_here = np.isnan(loss[rows, cols])
+        if present is not None:
+            nan_here &= present[rows, cols]
         bad[rows[nan_here], cols[nan_here]] = True
     any_bad = bad.any(axis=1)
     if not any_bad.any():

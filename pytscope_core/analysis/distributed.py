@@ -4,7 +4,7 @@ A rank's *local work* is its step wall less its exposed communication. The rank 
 a step is on that step's critical path: everyone else waits for it inside the gradient all-reduce. Exposed
 communication is split into *transfer*, estimated per step as the least-blocked rank's communication (what
 even the last rank to arrive pays), and *sync wait* (the rest: waiting for slower peers). The split is an
-estimate (MEASUREMENTS.md 5): with several buckets it understates transfer, so reports say so. A straggler is
+estimate (docs/MEASUREMENTS.md, item 5): with several buckets it understates transfer, so reports say so. A straggler is
 judged on local work with three gates (relative excess, persistence, and real wall time lost), because a
 significance test alone grows with the number of steps and the max of many noisy ranks always looks slow.
 """
@@ -23,13 +23,14 @@ from . import stats
 STRAGGLER_MIN_EXCESS = 0.045
 """Median local work >= 4.5% above the other ranks' median: healthy ranks differ by noise, not by this much."""
 STRAGGLER_MIN_PERSISTENCE = 0.70
-"""Slower than the others' median in >= 70% of steps: healthy 2-rank runs alternate 33-65% (MEASUREMENTS 3)."""
+"""Slower than the others' median in >= 70% of steps: healthy 2-rank runs alternate 33-65% (docs/MEASUREMENTS.md, item 3)."""
 STRAGGLER_MIN_Z = 3.0
 """Binomial z of that persistence against a fair coin: keeps 200-step windows from flagging luck."""
 STRAGGLER_MIN_COST_SHARE = 0.02
 """The slow ranks' extra local work over the next-slowest rank must cost >= 2% of wall to be worth fixing."""
 
 _DATA = PHASES.index("data")
+_COMM = PHASES.index("comm")
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,8 @@ class RankTiming:
     slower_share: float  # fraction of steps with local work above the other ranks' median
     z: float  # binomial z of slower_share against 0.5
     straggler: bool
+    extra_phase: str | None = None  # straggler candidates: the phase holding most of the extra local work
+    extra_phase_ms: float = 0.0  # ...and by how much its median exceeds the other ranks' (ms per step)
 
 
 @dataclass(frozen=True)
@@ -98,7 +101,7 @@ def distributed_timing(arrays: RunArrays, sel: np.ndarray) -> DistributedTiming:
 
     critical = np.bincount(local.argmax(axis=1), minlength=r) / n
     if r >= 2:
-        others = median_of_others(local)
+        others = stats.median_of_others(local)
         with np.errstate(all="ignore"):
             excess = stats.median_over_steps(local / others - 1.0)
         slower = np.count_nonzero(local > others, axis=0)
@@ -115,6 +118,9 @@ def distributed_timing(arrays: RunArrays, sel: np.ndarray) -> DistributedTiming:
     lost_share = lost_ms * n / total_wall if total_wall > 0 else 0.0
     is_straggler = is_candidate & (lost_share >= STRAGGLER_MIN_COST_SHARE)
 
+    extra = _extra_phases(
+        arrays.phases[sel][complete] if not complete.all() else arrays.phases[sel], is_candidate
+    )
     local_med = stats.median_over_steps(local)
     comm_med = stats.median_over_steps(comm_all)
     wait_med = stats.median_over_steps(sync_wait)
@@ -134,6 +140,8 @@ def distributed_timing(arrays: RunArrays, sel: np.ndarray) -> DistributedTiming:
             slower_share=float(slower_share[i]),
             z=float(z[i]),
             straggler=bool(is_straggler[i]),
+            extra_phase=extra[i][0] if i in extra else None,
+            extra_phase_ms=extra[i][1] if i in extra else 0.0,
         )
         for i in range(r)
     )
@@ -152,15 +160,29 @@ def distributed_timing(arrays: RunArrays, sel: np.ndarray) -> DistributedTiming:
     )
 
 
-def median_of_others(local: np.ndarray) -> np.ndarray:
-    """(S, R) the per-step median of the other ranks' local work (see stats.median_of_others)."""
-    return stats.median_of_others(local)
+def _extra_phases(phases: np.ndarray, candidates: np.ndarray) -> dict[int, tuple[str, float]]:
+    """For each candidate column: the non-communication phase whose median exceeds the other ranks' (their
+    per-step mean) the most. Cheap: only candidates are looked at one by one."""
+    cols = np.flatnonzero(candidates)
+    r = phases.shape[1]
+    if cols.size == 0 or cols.size == r or phases.shape[0] == 0:
+        return {}
+    total = np.einsum("srp->sp", phases)
+    others = (total - phases[:, cols, :].sum(axis=1)) / (r - cols.size)
+    typical = np.median(others, axis=0)
+    out = {}
+    for c in cols:
+        diff = np.median(phases[:, c, :], axis=0) - typical
+        diff[_COMM] = -np.inf  # the straggler waits least: its extra work is never communication
+        p = int(np.argmax(diff))
+        out[int(c)] = (PHASES[p], float(diff[p]))
+    return out
 
 
 def _straggler_cost(local: np.ndarray, slow: np.ndarray) -> tuple[float, float]:
     """Mean ms per step the slow ranks add over the slowest other rank, and that rank's median local work.
 
-    This is an upper bound on what fixing them saves (MEASUREMENTS.md 5): the step would then wait for the
+    This is an upper bound on what fixing them saves (docs/MEASUREMENTS.md, item 5): the step would then wait for the
     next-slowest rank instead.
     """
     if not slow.any() or slow.all():
@@ -183,8 +205,11 @@ def sync_divergence(arrays: RunArrays) -> SyncDivergence | None:
     with np.errstate(invalid="ignore"):
         differs = np.isfinite(g) & np.isfinite(g[:, :1]) & (g != g[:, :1])
         present = np.isfinite(g)
-        # A rank missing a step another rank recorded also breaks the count (NaN vs a number).
-        partial = present.any(axis=1) & ~present.all(axis=1)
+        # A rank missing a step another rank recorded also breaks the count (NaN vs a number), unless the
+        # rank's records simply end there (a hang or a kill before the gather): missing is not diverged.
+        last = present.shape[0] - 1 - present[::-1].argmax(axis=0)
+        ended = np.arange(present.shape[0])[:, None] > last[None, :]
+        partial = present.any(axis=1) & ~(present | ended).all(axis=1)
     bad_steps = np.flatnonzero(differs.any(axis=1) | partial)
     if bad_steps.size == 0:
         return None

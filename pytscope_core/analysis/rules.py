@@ -9,6 +9,7 @@ traceback and reports a SCOPE.RULE_ERROR finding naming the rule, so a missing d
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import warnings
@@ -16,9 +17,9 @@ from collections.abc import Callable, Iterable
 
 import numpy as np
 
-from ..findings import Finding, Severity
-from .distributed import STRAGGLER_MIN_COST_SHARE, STRAGGLER_MIN_EXCESS, STRAGGLER_MIN_PERSISTENCE
+from ..findings import Finding, Severity, format_ranks, severity_at
 from .run import RunAnalysis
+from .timing import few_steps_note
 
 log = logging.getLogger(__name__)
 
@@ -38,8 +39,35 @@ def rule(code: str) -> Callable[[Rule], Rule]:
     return register
 
 
+TIMING_CODES = frozenset(
+    {
+        "DIST.STRAGGLER",
+        "DIST.LOAD_IMBALANCE",
+        "DIST.COMM_BOUND",
+        "DATA.INPUT_BOUND",
+        "TIMING.JITTER",
+        "EFFICIENCY.RECOVERABLE",
+        "EFFICIENCY.LOW_MFU",
+    }
+)
+"""Findings judged from step-time statistics: LOW at most while there are too few steps (timing.py)."""
+
+
 def run_rules(analysis: RunAnalysis, *, strict: bool = False) -> list[Finding]:
     """All registered rules' findings, HIGH first; see the module docstring for failing rules."""
+    found = _run_each(analysis, strict)
+    note = few_steps_note(analysis.timing.steps_counted)
+    if note is not None:
+        found = [
+            dataclasses.replace(f, severity=Severity.LOW, detail=f"{f.detail} ({note}.)")
+            if f.code in TIMING_CODES and f.severity > Severity.LOW
+            else f
+            for f in found
+        ]
+    return sorted(found, key=lambda f: (-int(f.severity), f.code, f.ranks))
+
+
+def _run_each(analysis: RunAnalysis, strict: bool) -> list[Finding]:
     found: list[Finding] = []
     for code, fn in RULES.items():
         try:
@@ -57,17 +85,11 @@ def run_rules(analysis: RunAnalysis, *, strict: bool = False) -> list[Finding]:
                     recommendation="Report this with the run directory; other findings are unaffected.",
                 )
             )
-    return sorted(found, key=lambda f: (-int(f.severity), f.code, f.ranks))
+    return found
 
 
 def _pct(x: float) -> str:
     return f"{100 * x:.1f}%"
-
-
-def _ranks(ranks: Iterable[int], limit: int = 8) -> str:
-    rs = list(ranks)
-    text = ", ".join(str(r) for r in rs[:limit])
-    return text + (f" and {len(rs) - limit} more" if len(rs) > limit else "")
 
 
 # --- distributed -------------------------------------------------------------------------------------------
@@ -79,9 +101,7 @@ STRAGGLER_MED_COST = 0.03
 
 
 def _cost_severity(share: float) -> Severity:
-    if share >= STRAGGLER_HIGH_COST:
-        return Severity.HIGH
-    return Severity.MED if share >= STRAGGLER_MED_COST else Severity.LOW
+    return severity_at(share, STRAGGLER_MED_COST, STRAGGLER_HIGH_COST)
 
 
 @rule("DIST.STRAGGLER")
@@ -104,12 +124,23 @@ def straggler(a: RunAnalysis) -> list[Finding]:
                 f"Rank {rank} does {me.local_ms:.2f} ms of local work per step vs {others:.2f} ms on the other "
                 f"ranks (median, +{_pct(me.excess)}); it is slower than the others' median in "
                 f"{_pct(me.slower_share)} of {d.steps_counted} steps (z = {me.z:.1f}) and on the critical "
-                f"path in {_pct(me.critical_share)}. Waiting for it costs {d.lost_ms_per_step:.2f} ms per "
+                f"path in {_pct(me.critical_share)}."
+                + (
+                    f" Most of its extra work is in `{me.extra_phase}` (+{me.extra_phase_ms:.2f} ms per step)."
+                    if me.extra_phase and me.extra_phase_ms > 0
+                    else ""
+                )
+                + f" Waiting for it costs {d.lost_ms_per_step:.2f} ms per "
                 f"step, {_pct(d.lost_to_imbalance)} of wall (upper bound: the next-slowest rank would then "
                 f"set the pace). The other ranks' wait shows as sync wait, not as communication."
             ),
             recommendation=(
-                f"Check rank {rank}'s host first: other processes or throttling on that CPU/GPU, its data "
+                (
+                    f"Start with rank {rank}'s `{me.extra_phase}` phase; then check"
+                    if me.extra_phase
+                    else "Check"
+                )
+                + f" rank {rank}'s host: other processes or throttling on that CPU/GPU, its data "
                 f"loader (data wait {me.data_ms:.2f} ms vs {others_data:.2f} ms on the others) and shard size, then compare its "
                 f"phases with the others' in `pytscope trace`."
             ),
@@ -143,7 +174,7 @@ def load_imbalance(a: RunAnalysis) -> list[Finding]:
             severity=_cost_severity(d.lost_to_imbalance),
             title=f"Work is unevenly split: {len(slow)} ranks are persistently slower",
             detail=(
-                f"Ranks {_ranks(d.stragglers)} do {min(r.local_ms for r in slow):.2f}-"
+                f"Ranks {format_ranks(d.stragglers)} do {min(r.local_ms for r in slow):.2f}-"
                 f"{max(r.local_ms for r in slow):.2f} ms of local work per step vs {others:.2f} ms on the "
                 f"others (median), each slower than its peers' median in >= "
                 f"{_pct(min(r.slower_share for r in slow))} of steps. The rest wait "
@@ -233,7 +264,7 @@ def desync(a: RunAnalysis) -> list[Finding]:
                 severity=Severity.HIGH,
                 title=f"Gradient syncs diverge at step {div.step}",
                 detail=(
-                    f"At step {div.step} rank(s) {_ranks(div.ranks)} did a different number of gradient "
+                    f"At step {div.step} rank(s) {format_ranks(div.ranks)} did a different number of gradient "
                     f"syncs than the majority ({div.majority:g}): {listed} (NaN = no record). From here "
                     f"their cumulative sync counts differ."
                 ),
@@ -285,7 +316,7 @@ def replica_drift(a: RunAnalysis) -> list[Finding]:
             severity=Severity.HIGH,
             title="Data-parallel replicas no longer hold the same parameters",
             detail=(
-                f"From step {int(steps[first])} the parameter checksum of rank(s) {_ranks(first_ranks.tolist())} "
+                f"From step {int(steps[first])} the parameter checksum of rank(s) {format_ranks(first_ranks.tolist())} "
                 f"differs from the majority by {rel:.2e} (relative; tolerance {REPLICA_REL_TOL:g}); "
                 f"{rows.size} of {len(checks)} checks disagree. Training is no longer equivalent to one worker."
             ),
@@ -327,13 +358,9 @@ def input_bound(a: RunAnalysis) -> list[Finding]:
         return []
     worst = max(ranks, key=lambda r: r.data_share)
     share = worst.data_share
-    sev = (
-        Severity.HIGH
-        if share >= INPUT_HIGH_SHARE
-        else (Severity.MED if share >= INPUT_MED_SHARE else Severity.LOW)
-    )
+    sev = severity_at(share, INPUT_MED_SHARE, INPUT_HIGH_SHARE)
     some = len(ranks) < len(a.distributed.per_rank)
-    who = f"Ranks {_ranks(r.rank for r in ranks)} wait" if some else "Every rank waits"
+    who = f"Ranks {format_ranks(r.rank for r in ranks)} wait" if some else "Every rank waits"
     return [
         Finding(
             code="DATA.INPUT_BOUND",
@@ -373,7 +400,7 @@ def nonfinite(a: RunAnalysis) -> list[Finding]:
             severity=Severity.HIGH,
             title=f"The loss became non-finite at step {c.nonfinite_step}",
             detail=(
-                f"First NaN/Inf loss at step {c.nonfinite_step} on rank(s) {_ranks(c.nonfinite_ranks)}; the "
+                f"First NaN/Inf loss at step {c.nonfinite_step} on rank(s) {format_ranks(c.nonfinite_ranks)}; the "
                 f"run's last finite loss is {c.last_loss:.4g}."
             ),
             recommendation=(
@@ -630,12 +657,3 @@ def low_mfu(a: RunAnalysis) -> list[Finding]:
             evidence={"mfu": mfu},
         )
     ]
-
-
-def straggler_gates() -> dict[str, float]:
-    """The straggler thresholds, for reports and documentation."""
-    return {
-        "min_excess": STRAGGLER_MIN_EXCESS,
-        "min_persistence": STRAGGLER_MIN_PERSISTENCE,
-        "min_cost_share": STRAGGLER_MIN_COST_SHARE,
-    }

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from ..arrays import RunArrays
 from ..context import RunContext
 from .convergence import Convergence, convergence
@@ -15,6 +17,15 @@ from .distributed import DistributedTiming, distributed_timing
 from .efficiency import Efficiency, efficiency
 from .memory import MemoryStats, memory_stats
 from .timing import StepTiming, phase_ms_per_step, statistics_steps, step_timing, step_wall_ms
+
+
+@dataclass(frozen=True)
+class RankEnd:
+    """A rank whose records stop before the run's last step, or that wrote its own rows, and why."""
+
+    rank: int
+    last_step: int | None  # its last recorded step (None: no record at all)
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -29,6 +40,7 @@ class RunAnalysis:
     convergence: Convergence
     efficiency: Efficiency
     memory: MemoryStats
+    rank_ends: tuple[RankEnd, ...] = ()
 
 
 def analyze(arrays: RunArrays, ctx: RunContext) -> RunAnalysis:
@@ -47,4 +59,33 @@ def analyze(arrays: RunArrays, ctx: RunContext) -> RunAnalysis:
         convergence=convergence(arrays, sel),
         efficiency=efficiency(arrays, ctx, timing, dist, wall, sel),
         memory=memory_stats(arrays, ctx, sel),
+        rank_ends=rank_ends(arrays, ctx),
     )
+
+
+def rank_ends(arrays: RunArrays, ctx: RunContext) -> tuple[RankEnd, ...]:
+    """Which ranks' records end early, where, and the likeliest reason: what the rank itself said when it
+    wrote its own rows (a hang, SIGTERM, an exception), else the run's hang report, a disabled scope, or a
+    rank whose last steps were never gathered (killed)."""
+    if arrays.n_steps == 0:
+        return ()
+    present = np.isfinite(arrays.wall_ms)
+    has_any = present.any(axis=0)
+    last_index = present.shape[0] - 1 - present[::-1].argmax(axis=0)
+    notes = dict(ctx.rank_notes)
+    out = []
+    for i, rank in enumerate(int(r) for r in arrays.ranks):
+        last = int(arrays.steps[last_index[i]]) if has_any[i] else None
+        early = last is None or last_index[i] < arrays.n_steps - 1
+        if not early and rank not in notes:
+            continue
+        if rank in notes:
+            reason = notes[rank]
+        elif ctx.hang_reports:
+            reason = "hang"
+        elif ctx.scope_errors:
+            reason = "scope disabled"
+        else:
+            reason = "its last steps were never gathered (killed?)"
+        out.append(RankEnd(rank, last, reason))
+    return tuple(out)

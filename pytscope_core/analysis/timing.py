@@ -39,6 +39,22 @@ class StepTiming:
         return next(p for p in self.phases if p.name == name)
 
 
+MIN_STATISTIC_STEPS = 50
+"""Below this many counted steps, medians and shares are anecdotes: timing findings stay LOW (a
+`fast_dev_run`, or 24 steps of 1.3 ms before a hang in which one rank happened to run +0.4 ms, must not
+raise a HIGH next to the real problem)."""
+
+
+def few_steps_note(steps_counted: int) -> str | None:
+    """What the report says when there are too few steps for timing statistics, else None."""
+    if steps_counted >= MIN_STATISTIC_STEPS:
+        return None
+    return (
+        f"statistics from {steps_counted} step(s): too few (< {MIN_STATISTIC_STEPS}) for timing findings "
+        "above LOW"
+    )
+
+
 def statistics_steps(arrays: RunArrays) -> np.ndarray:
     """Steps the statistics use: the counted ones, or all of them when a short run is still in warm-up."""
     counted = np.asarray(arrays.counted, dtype=bool)

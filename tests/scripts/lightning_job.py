@@ -42,22 +42,55 @@ class Job(pl.LightningModule):
         )
         gen = torch.Generator().manual_seed(0)
         self.teacher = torch.randn(32, 8, generator=gen)
+        self.automatic_optimization = not args.manual
+        if args.flops_per_batch:
+            self.flops_per_batch = args.flops_per_batch
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> Any:
         x, y = batch
         last_rank = self.global_rank == self.trainer.world_size - 1
         if self.args.spin_ms and last_rank:
             spin(self.args.spin_ms)
-        if last_rank and self.trainer.world_size > 1 and self.global_step + 1 == self.args.block_at:
+        if (
+            self.args.block_at
+            and last_rank
+            and self.trainer.world_size > 1
+            and self.global_step == self.args.block_at
+        ):
             spin(3600e3)  # never reaches this step's all-reduce
+        if self.args.raise_at and self.global_step == self.args.raise_at:
+            raise (
+                KeyboardInterrupt("injected interrupt")
+                if self.args.interrupt
+                else RuntimeError("injected error")
+            )
         loss = F.cross_entropy(self.net(x), y)
+        if self.args.inf_from and self.global_step >= self.args.inf_from:
+            loss = loss * float("inf")  # what TensorBoard shows at this global_step
+        if self.args.manual:
+            return self._manual_step(loss)
         return {"loss": loss} if self.args.dict_output else loss
+
+    def _manual_step(self, loss: torch.Tensor) -> torch.Tensor:
+        # Two optimizers, each stepped every batch: Lightning's global_step advances by two per batch.
+        first, second = self.optimizers()  # type: ignore[misc]
+        first.zero_grad()
+        second.zero_grad()
+        self.manual_backward(loss)
+        first.step()
+        second.step()
+        self.log("train_loss", loss)
+        return loss
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         x, y = batch
         self.log("val_loss", F.cross_entropy(self.net(x), y), sync_dist=True)
 
-    def configure_optimizers(self) -> torch.optim.Optimizer:
+    def configure_optimizers(self) -> Any:
+        if self.args.manual:
+            params = list(self.net.parameters())
+            half = len(params) // 2
+            return [torch.optim.SGD(params[:half], lr=0.05), torch.optim.SGD(params[half:], lr=0.05)]
         return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
 
     def _data(self, samples: int, seed: int) -> TensorDataset:
@@ -126,6 +159,17 @@ def main() -> None:
     p.add_argument("--dict-output", action="store_true")
     p.add_argument("--result", default=None)
     p.add_argument("--break-scope", action="store_true")
+    p.add_argument("--raise-at", type=int, default=0, help="training_step raises at this global step")
+    p.add_argument("--interrupt", action="store_true", help="--raise-at raises KeyboardInterrupt")
+    p.add_argument("--inf-from", type=int, default=0, help="the loss is infinite from this global step on")
+    p.add_argument("--manual", action="store_true", help="manual optimization with two optimizers")
+    p.add_argument("--fits", type=int, default=1, help="fit this many times with the same callback")
+    p.add_argument("--fast-dev-run", action="store_true")
+    p.add_argument("--flops-per-step", type=float, default=None)
+    p.add_argument("--peak-flops", type=float, default=None)
+    p.add_argument(
+        "--flops-per-batch", type=float, default=None, help="set on the module, as for ThroughputMonitor"
+    )
     args = p.parse_args()
 
     torch.set_num_threads(1)
@@ -140,6 +184,8 @@ def main() -> None:
             interval=args.interval,
             console=True,
             hang_timeout=args.hang_timeout or "auto",
+            flops_per_step=args.flops_per_step,
+            peak_flops=args.peak_flops,
         )
     ]
     if args.break_scope:
@@ -148,27 +194,41 @@ def main() -> None:
         callbacks.append(
             ModelCheckpoint(dirpath=args.ckpt_dir, every_n_train_steps=args.ckpt_every, save_top_k=-1)
         )
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=args.devices,
-        strategy=strategy,
-        max_steps=args.steps,
-        accumulate_grad_batches=args.accumulate,
-        callbacks=callbacks,
-        logger=CSVLogger(args.csv_dir, name="", version="") if args.csv_dir else False,
-        log_every_n_steps=10,
-        enable_checkpointing=bool(args.ckpt_every),
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        use_distributed_sampler=not args.uneven,
-        val_check_interval=args.val_every or None,
-        limit_val_batches=2 if args.val_every else 0,
-        num_sanity_val_steps=0,
-    )
-    trainer.fit(Job(args), ckpt_path=args.ckpt_path)
+
+    def make_trainer(max_steps: int) -> pl.Trainer:
+        return pl.Trainer(
+            accelerator="cpu",
+            devices=args.devices,
+            strategy=strategy,
+            max_steps=max_steps,
+            fast_dev_run=args.fast_dev_run,
+            accumulate_grad_batches=args.accumulate,
+            callbacks=callbacks,
+            logger=CSVLogger(args.csv_dir, name="", version="") if args.csv_dir else False,
+            log_every_n_steps=10,
+            enable_checkpointing=bool(args.ckpt_every),
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            use_distributed_sampler=not args.uneven,
+            val_check_interval=args.val_every or None,
+            limit_val_batches=2 if args.val_every else 0,
+            num_sanity_val_steps=0,
+        )
+
+    trainer = make_trainer(args.steps)
+    result: dict[str, Any] = {}
+    try:
+        trainer.fit(Job(args), ckpt_path=args.ckpt_path)
+    except (RuntimeError, KeyboardInterrupt) as exc:  # a notebook or sweep driver catching the failure
+        result["caught"] = f"{type(exc).__name__}: {exc}"
+        time.sleep(args.hang_timeout * 3 if args.hang_timeout else 0)  # a watchdog left behind would fire
+    for _ in range(args.fits - 1):
+        trainer = make_trainer(args.steps)  # a new trainer with the same callback: a new run
+        trainer.fit(Job(args))
     if args.result and trainer.is_global_zero:
+        result.update(global_step=trainer.global_step, world_size=trainer.world_size)
         with open(args.result, "w") as f:
-            json.dump({"global_step": trainer.global_step, "world_size": trainer.world_size}, f)
+            json.dump(result, f)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,152 @@
+"""Backward and exposed gradient communication, timed from the autograd engine with nothing per step.
+
+Persistent gradient-ready hooks on the parameters whose gradients come first mark the start of backward and
+queue an autograd engine final callback. That callback runs when the graph has finished computing ("graph
+done") and before DDP's own finalize, which waits for the gradient all-reduce; a second callback queued from
+the first runs after that wait. So `comm` = exposed gradient communication including any wait for slower
+peers, with no Python on DDP's per-bucket path (docs/MEASUREMENTS.md, items 1-3).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from .recorder import StepRecorder
+from .timeline import Mark
+
+_BACKWARD_BEGIN = int(Mark.BACKWARD_BEGIN)
+_BACKWARD_END = int(Mark.BACKWARD_END)
+_GRAPH_DONE = int(Mark.GRAPH_DONE)
+
+
+def first_grad_tensor(output: Any, _depth: int = 0) -> Any:
+    """The first tensor in a module's output that will receive a gradient, or None."""
+    if getattr(output, "requires_grad", False) and getattr(output, "grad_fn", None) is not None:
+        return output
+    if _depth < 3:
+        values = (
+            output.values()
+            if isinstance(output, dict)
+            else output
+            if isinstance(output, (list, tuple))
+            else ()
+        )
+        for value in values:
+            t = first_grad_tensor(value, _depth + 1)
+            if t is not None:
+                return t
+    return None
+
+
+class BackwardTimer:
+    """Marks backward begin, graph done and backward end, and counts the gradient syncs that completed."""
+
+    def __init__(self, recorder: StepRecorder, on_error: Callable[[BaseException], None]) -> None:
+        self.recorder = recorder
+        self.active = True
+        self.in_backward = False  # forwards run inside backward (recomputation) are not training forwards
+        self._on_error = on_error
+        self._sync_pending = False  # this micro-batch's backward all-reduces (DDP outside no_sync())
+        self._grad_hooks: list[tuple[Any, Any]] = []  # (param, handle) watching for backward's first gradient
+        self._ready_order: list[Any] | None = None  # first backward: the order gradients became ready
+        self._queue_callback: Callable[[Callable[[], None]], None] | None = None
+
+    def watch(self, model: Any) -> None:
+        """Hook the parameters of `model` whose gradients become ready first.
+
+        A per-step hook on the output tensor costs ~13 us to register; a persistent one on a parameter costs
+        ~1 us to fire. The first backward hooks every parameter to learn which gradients become ready first,
+        then keeps the first few only: any parameter ready before the last one queues the graph-done callback
+        ahead of DDP's finalize, which DDP queues when its last bucket becomes ready.
+        """
+        self._queue_callback = _engine_queue_callback()
+        params = [p for p in model.parameters() if p.requires_grad]
+        if not params or not hasattr(params[0], "register_post_accumulate_grad_hook"):
+            return
+        self._ready_order = []
+        for p in params:
+            self._grad_hooks.append((p, p.register_post_accumulate_grad_hook(self._grad_ready)))
+
+    def forward_done(self, output: Any, grad_sync: bool) -> None:
+        """A micro-batch's forward ended; without parameter hooks, its backward is timed from `output`."""
+        self._sync_pending = grad_sync
+        if not self._grad_hooks and output is not None:
+            t = first_grad_tensor(output)
+            if t is not None:
+                if self._queue_callback is None:
+                    self._queue_callback = _engine_queue_callback()
+                t.register_hook(self._output_grad)
+
+    def remove(self) -> None:
+        for _, handle in self._grad_hooks:
+            handle.remove()
+        self._grad_hooks.clear()
+
+    def begin(self) -> None:
+        """Start of backward (the first gradient is ready): queue the graph-done callback."""
+        if not self.active or self.in_backward:
+            return
+        self.in_backward = True
+        self.recorder.mark(_BACKWARD_BEGIN)
+        assert self._queue_callback is not None
+        self._queue_callback(self._graph_done)
+
+    def _grad_ready(self, param: Any) -> None:
+        try:
+            if self._ready_order is not None:
+                self._ready_order.append(param)
+            self.begin()
+        except Exception as exc:
+            self._on_error(exc)
+
+    def _output_grad(self, grad: Any) -> None:
+        try:
+            self.begin()
+        except Exception as exc:
+            self._on_error(exc)
+
+    def _graph_done(self) -> None:
+        try:
+            self.recorder.mark(_GRAPH_DONE)
+            if self._ready_order is not None:
+                self._keep_first_ready()
+            if self._sync_pending:
+                assert self._queue_callback is not None
+                self._queue_callback(self._end)  # runs after DDP's finalize, queued before it
+            else:
+                self._end()  # nothing to wait for: no second callback
+        except Exception as exc:
+            self.in_backward = False
+            self._on_error(exc)
+
+    def _keep_first_ready(self, keep: int = 2) -> None:
+        # A few, not one: a parameter unused in some step must not leave that backward untimed.
+        order, self._ready_order = self._ready_order or [], None
+        first = {id(p) for p in order[:keep]}
+        if not first:
+            return
+        kept = []
+        for p, handle in self._grad_hooks:
+            if id(p) in first:
+                kept.append((p, handle))
+            else:
+                handle.remove()
+        self._grad_hooks = kept
+
+    def _end(self) -> None:
+        try:
+            self.recorder.mark(_BACKWARD_END)
+            if self._sync_pending:
+                self.recorder.count_grad_sync()
+                self._sync_pending = False
+        except Exception as exc:
+            self._on_error(exc)
+        finally:
+            self.in_backward = False
+
+
+def _engine_queue_callback() -> Callable[[Callable[[], None]], None]:
+    import torch
+
+    return torch.autograd.Variable._execution_engine.queue_callback  # type: ignore[no-any-return]

@@ -1,0 +1,170 @@
+"""The collective side of a run, the same on every rank: who this rank is, when the ranks meet, the exchange.
+
+Gathers are triggered by the count of completed gradient all-reduces, which DDP keeps equal on every rank,
+so a rank that took an extra or a missing optimizer step still meets the others at the same collective;
+its differing step count is then reported (`DIST.DESYNC`) instead of deadlocking the job. Without DDP (or
+when no sync is seen) the key is the optimizer step count. Every collective runs on the scope's own gloo
+group with a timeout (`gather.Gatherer`); what the store is used for (the meeting at finish, the flag a
+disabled rank raises) has a deadline too. Nothing here analyses or writes the run.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .gather import Exchange
+from .recorder import StepRecorder
+
+STORE_PREFIX = "pytscope"
+FINISH_WAIT_S = 30.0  # how long finish() waits for every rank to arrive before reporting without them
+DISABLED_KEY = f"{STORE_PREFIX}/disabled"
+
+
+class PeerDisabled(RuntimeError):
+    """Another rank disabled its scope: gathering would wait for a rank that no longer comes."""
+
+
+class Coordinator:
+    """Rank and world, the scope's process group, the gather schedule, and the meeting at finish."""
+
+    def __init__(self, recorder: StepRecorder, interval: int, gather_timeout: float) -> None:
+        self.recorder = recorder
+        self.interval = interval
+        self.gather_timeout = gather_timeout
+        self.rank = 0
+        self.world_size = 1
+        self.gatherer: Any = None  # gather.Gatherer when distributed, until finish
+        self.gathers = 0
+        self._next_gather = interval
+
+    # -- start ----------------------------------------------------------------------------------------
+    def start(self, run_dir: Path | None) -> Path:
+        """Learn rank and world size, create the scope's group (collective) and agree on rank 0's run
+        directory; returns it."""
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            self.rank = dist.get_rank()
+            self.world_size = dist.get_world_size()
+        if self.world_size > 1:
+            from .gather import Gatherer
+
+            self.gatherer = Gatherer(self.gather_timeout)
+            chosen = str(run_dir or default_run_dir()) if self.rank == 0 else None
+            return Path(self.gatherer.broadcast_object(chosen))
+        return run_dir or default_run_dir()
+
+    @property
+    def distributed(self) -> bool:
+        return self.gatherer is not None
+
+    # -- when to gather -------------------------------------------------------------------------------
+    def schedule(self, syncs_seen: bool) -> None:
+        """At the first step boundary: meet on gradient syncs where DDP syncs (a safe place to meet even
+        for a rank that took one optimizer step more or less), else on optimizer steps."""
+        self.recorder.notify_on_syncs = syncs_seen and self.recorder.grad_syncs > 0
+        self._advance()
+
+    def due(self) -> bool:
+        """Whether this step boundary is a gather point; moves the schedule on when it is."""
+        if self._key() < self._next_gather:
+            return False
+        self._advance()
+        return True
+
+    def restart_schedule(self) -> None:
+        """After a resume: the next step boundary decides again."""
+        self.recorder.notify_at = 0
+
+    def _key(self) -> int:
+        rec = self.recorder
+        return rec.grad_syncs if rec.notify_on_syncs else rec.steps_done
+
+    def _advance(self) -> None:
+        self._next_gather = (self._key() // self.interval + 1) * self.interval
+        self.recorder.notify_at = self._next_gather
+
+    # -- the exchange ---------------------------------------------------------------------------------
+    def exchange(self, counters: tuple[float, ...], rows: np.ndarray) -> Exchange:
+        """Every rank's counters and rows (collective when distributed)."""
+        self.gathers += 1
+        if self.gatherer is None:
+            return Exchange(np.array([[*counters[:3], rows.shape[0], counters[3]]]), rows)
+        self.check_peers_enabled()
+        return self.gatherer.exchange(counters, rows)
+
+    def all_gather_ints(self, values: list[int]) -> list[list[int]] | None:
+        return self.gatherer.all_gather_ints(values) if self.gatherer is not None else None
+
+    # -- the store ------------------------------------------------------------------------------------
+    def announce_disabled(self) -> None:
+        """Tell the other ranks (their next gather and rank 0's watchdog) that this rank's scope is off."""
+        store = default_store() if self.world_size > 1 else None
+        if store is not None:
+            try:
+                store.set(DISABLED_KEY, str(self.rank))
+            except STORE_ERRORS:
+                pass
+
+    def check_peers_enabled(self) -> None:
+        store = default_store()
+        if store is not None and store.check([DISABLED_KEY]):
+            raise PeerDisabled(f"rank {store.get(DISABLED_KEY).decode()} disabled its scope")
+
+    def all_ranks_arrive(self, segment: int) -> list[int]:
+        """Meet at the store first, so a rank that died or never finishes cannot hang the final gather;
+        returns the ranks that did not arrive within FINISH_WAIT_S."""
+        store = default_store()
+        if store is None:
+            return []
+        key = f"{STORE_PREFIX}/finish/{segment}"
+        store.set(f"{key}/{self.rank}", "1")
+        try:
+            store.wait(
+                [f"{key}/{r}" for r in range(self.world_size)], datetime.timedelta(seconds=FINISH_WAIT_S)
+            )
+            return []
+        except STORE_ERRORS:
+            return [r for r in range(self.world_size) if not store.check([f"{key}/{r}"])]
+
+    def destroy(self) -> None:
+        if self.gatherer is not None:
+            self.gatherer.destroy(dist_alive())
+            self.gatherer = None
+
+
+STORE_ERRORS: tuple[type[BaseException], ...] = (RuntimeError, OSError, TimeoutError)
+"""What a torch.distributed store raises when a key times out or its server is gone (DistStoreError and
+DistNetworkError are RuntimeErrors): anything else is a bug and is not swallowed."""
+
+
+def dist_alive() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+def default_store() -> Any:
+    """The key-value store of torch.distributed's default group, or None when not distributed."""
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return dist.distributed_c10d._get_default_store()
+    except (ImportError, RuntimeError, AttributeError):
+        return None
+    return None
+
+
+def default_run_dir() -> Path:
+    base = Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+    path, n = base, 1
+    while path.exists():
+        n += 1
+        path = base.with_name(f"{base.name}-{n}")
+    return path

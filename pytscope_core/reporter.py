@@ -1,0 +1,87 @@
+"""Rank 0's voice: everything the scope writes to the run directory and prints, in one place.
+
+Findings (live or from an integration), the hang report (called from the watchdog thread while training is
+blocked), internal errors, the scope's own cost, and the end-of-run summary. The file writes are
+thread-safe (`RunWriter` locks); console output is rich.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .findings import Finding
+from .rundir import RunWriter
+
+
+class RunReporter:
+    """Writes the run directory and the console on rank 0."""
+
+    def __init__(self, run_dir: Path, meta: dict[str, Any], console: bool) -> None:
+        from rich.console import Console
+
+        self.run_dir = run_dir
+        self.meta = meta
+        self.writer = RunWriter(run_dir, meta)
+        self.console: Any = Console(stderr=False) if console else None
+
+    def segment(self, **fields: Any) -> None:
+        self.writer.event("segment", **fields)
+
+    def learnt(self, **fields: Any) -> None:
+        """Settings learnt during the run (e.g. estimated FLOPs per step): the reader merges them into meta."""
+        self.meta.update(fields)
+        self.writer.event("meta", fields=fields)
+
+    def rows(self, rows: np.ndarray) -> None:
+        self.writer.append_rows(rows)
+
+    def findings(self, findings: Iterable[Finding], step: int, source: str = "diagnosis") -> None:
+        findings = list(findings)
+        for f in findings:
+            self.writer.event("finding", step=step, source=source, finding=f.to_dict())
+        if self.console is not None and findings:
+            from .render import render_findings
+
+            self.console.print(f"[bold]pytscope[/] step {step}:")
+            self.console.print(render_findings(findings))
+
+    def hang(self, finding: Finding, step: int) -> None:
+        self.writer.event("hang", step=step, finding=finding.to_dict())
+        if self.console is not None:
+            from .render import render_findings
+
+            self.console.print("[bold red]pytscope: hang detected[/]")
+            self.console.print(render_findings([finding]))
+
+    def error(self, message: str) -> None:
+        self.writer.event("scope_error", message=message)
+
+    def cost(self, **fields: Any) -> None:
+        self.writer.event("scope_cost", **fields)
+
+    def summary(self) -> Any:
+        """Re-read the whole run (every segment and every rank's file) and write and print its summary."""
+        from rich.console import Console
+
+        from .render import render_summary
+        from .rundir import load_run
+        from .summary import summarize
+
+        run = load_run(self.run_dir)
+        summary = summarize(run.arrays, run.context, extra_findings=tuple(run.extra_findings))
+        with open(os.devnull, "w") as devnull:
+            text = Console(record=True, width=110, file=devnull, color_system=None)
+            text.print(render_summary(summary))
+            self.writer.write_summary(summary.to_dict(), text.export_text())
+        if self.console is not None:
+            self.console.print(render_summary(summary))
+            self.console.print(f"[dim]run directory: {self.run_dir}  (pytscope report {self.run_dir})[/]")
+        return summary
+
+    def close(self) -> None:
+        self.writer.close()

@@ -1,0 +1,264 @@
+"""One segment of a run on this rank, from the moment the ranks first meet until finish.
+
+`Scope.start()` creates it (collectively): the `Coordinator` agrees on the run directory; on rank 0 the
+`RunReporter` opens it and `LiveDiagnosis` starts; every rank starts its hang `Watchdog` and chains SIGTERM.
+From then on the session gathers every `interval` steps, and at the end either meets the other ranks for a
+final gather (`finish`) or, when they may be gone, leaves its own rows behind (`stop`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .clocks import CudaEventClock
+from .context import Segment
+from .coordinator import DISABLED_KEY, STORE_PREFIX, default_store, dist_alive
+from .findings import Finding
+from .signals import SigtermChain
+
+if TYPE_CHECKING:
+    from .scope import Scope
+
+
+class RunSession:
+    """Gathers, the final gather and report, this rank's own rows, the watchdog and SIGTERM, for one scope."""
+
+    def __init__(self, scope: Scope) -> None:
+        self.scope = scope
+        self.run_dir: Path = scope.coordinator.start(scope.run_dir)  # learns the rank: first
+        self.rank = scope.coordinator.rank
+        self.reporter: Any = None
+        self.live: Any = None
+        self.gather_ms: list[float] = []  # each gather: resolving the window and the exchange, every rank
+        self.ingest_ms: list[float] = []  # rank 0 after each gather: writing the run, live diagnosis
+        self._epoch_offset = time.time() - time.perf_counter()  # host perf_counter -> seconds since epoch
+        if self.rank == 0:
+            self._open_run()
+        self._watchdog: Any = None
+        self._flushed = threading.Event()  # this rank's own rows are written at most once
+        self._sigterm = SigtermChain(lambda: self.flush_own_rows("SIGTERM"))
+        self._sigterm.install()
+        if scope.options.hang_timeout is not None:
+            self._start_watchdog()
+
+    def _open_run(self) -> None:
+        from . import analysis, render, summary  # noqa: F401  (imported now, not in the middle of a step)
+        from .live import LiveDiagnosis
+        from .reporter import RunReporter
+
+        scope = self.scope
+        self.reporter = RunReporter(self.run_dir, self._meta(), scope.options.console)
+        host_start = scope.recorder.host_start_ns
+        segment = Segment(
+            index=scope.segment,
+            started_s=host_start / 1e9 + self._epoch_offset if host_start else time.time(),
+            resumed_from_step=scope.resumed_from_step,
+            world_size=scope.coordinator.world_size,
+        )
+        self.reporter.segment(**dataclasses.asdict(segment))
+        self.live = LiveDiagnosis(
+            self.reporter, segment, scope.options.warmup, scope.errors, scope.metrics_sink
+        )
+        for message in scope.errors:  # errors before the run existed (e.g. in watch())
+            self.reporter.error(message)
+        if scope.flops.learnt:
+            self.reporter.learnt(**scope.flops.take_learnt())
+
+    def _meta(self) -> dict[str, Any]:
+        import torch
+
+        from . import __version__
+        from .flops import peak_flops_for
+
+        scope, options = self.scope, self.scope.options
+        device = "cpu"
+        mem_limit: float | None = _host_memory()
+        if isinstance(scope.recorder.clock, CudaEventClock):
+            props = torch.cuda.get_device_properties(torch.cuda.current_device())
+            device, mem_limit = props.name, float(props.total_memory)
+        precision = scope.flops.precision or "bf16"
+        return {
+            "created_s": time.time(),
+            "world_size": scope.coordinator.world_size,
+            "interval": options.interval,
+            "warmup": options.warmup,
+            "integration": scope.integration,
+            "step_origin": scope.recorder.step_origin,
+            "device": device,
+            "mem_limit_bytes": mem_limit,
+            "peak_flops": options.peak_flops or peak_flops_for(device, precision),
+            "peak_precision": None if options.peak_flops else precision,
+            "flops_per_step": options.flops_per_step,
+            "flops_estimated": False,
+            "host": socket.gethostname(),
+            "torch": torch.__version__,
+            "pytscope": __version__,
+            "argv": sys.argv,
+        }
+
+    # -- hangs ----------------------------------------------------------------------------------------
+    def _start_watchdog(self) -> None:
+        from .watchdog import Watchdog
+
+        coordinator = self.scope.coordinator
+        self._watchdog = Watchdog(
+            self.scope.recorder,
+            default_store() if coordinator.world_size > 1 else None,
+            self.rank,
+            coordinator.world_size,
+            self.run_dir,
+            self._hang_timeout_s,
+            self.scope.options.on_hang,
+            self._report_hang,
+            prefix=f"{STORE_PREFIX}/{self.scope.segment}",
+            disabled_key=DISABLED_KEY,
+            flush=self.flush_own_rows,
+        )
+        self._watchdog.start()
+
+    def _hang_timeout_s(self) -> float | None:
+        """The fixed timeout, or "auto": after warm-up, the larger of 2 minutes and 20x the slowest step seen."""
+        from .watchdog import AUTO_MIN_S, AUTO_STEP_FACTOR
+
+        scope = self.scope
+        timeout = scope.options.hang_timeout
+        if timeout != "auto":
+            return float(timeout)  # type: ignore[arg-type]
+        if scope.recorder.steps_done - scope.resumed_from_step <= scope.options.warmup:
+            return None
+        return max(AUTO_MIN_S, AUTO_STEP_FACTOR * self._watchdog.slowest_step_s)
+
+    def _report_hang(self, finding: Finding) -> None:
+        """Called from rank 0's watchdog thread while the main thread is blocked."""
+        if self.live is not None:
+            self.live.hang(finding, self.scope.step_label())
+
+    def stop_watching(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.stop()
+
+    def flush_own_rows(self, reason: str) -> None:
+        """This rank's closed steps that no gather took yet, into its own file in the run directory, so the
+        report covers every rank up to a hang, a SIGTERM or an exception. Reads the recorder without changing
+        it (the caller may be another thread, or a signal handler)."""
+        scope = self.scope
+        if self._flushed.is_set() or isinstance(scope.recorder.clock, CudaEventClock):
+            return  # once (a hang, then the launcher's SIGTERM); CUDA events behind a hung kernel never resolve
+        self._flushed.set()
+        from .rundir import append_rank_rows
+
+        rows = scope.recorder.pending_rows(self.rank, scope.segment, self._epoch_offset)
+        append_rank_rows(self.run_dir, self.rank, rows, reason)
+
+    # -- gathers --------------------------------------------------------------------------------------
+    def gather(self, final: bool = False) -> None:
+        t0 = time.perf_counter()
+        scope = self.scope
+        rec = scope.recorder
+        rows = rec.drain(self.rank, scope.segment, self._epoch_offset)
+        counters = (float(rec.steps_done), float(rec.grad_syncs), float(rec.micro_batches), self._checksum())
+        if self._watchdog is not None:
+            self._watchdog.status = "gather"
+        try:
+            ex = scope.coordinator.exchange(counters, rows)
+        finally:
+            if self._watchdog is not None:
+                self._watchdog.status = "finished" if final else ""
+        t1 = time.perf_counter()
+        self.gather_ms.append((t1 - t0) * 1e3)
+        if self.live is not None:
+            self.reporter.writer.scalars(scope.take_scalars())
+            if scope.flops.learnt:  # e.g. the FLOPs counted on a warm-up step
+                self.reporter.learnt(**scope.flops.take_learnt())
+            self.live.ingest(ex.headers, ex.rows, scope.coordinator.gathers, scope.step_label(), final)
+            self.ingest_ms.append((time.perf_counter() - t1) * 1e3)
+
+    def _checksum(self) -> float:
+        """A cheap fingerprint of the replicated parameters; DDP replicas must agree bit for bit."""
+        model = self.scope.replicated_model
+        if model is None:
+            return math.nan
+        import torch
+
+        with torch.no_grad():
+            sums = [p.detach().sum(dtype=torch.float64) for p in model.parameters()]
+            return float(torch.stack(sums).sum().item()) if sums else math.nan
+
+    # -- the end --------------------------------------------------------------------------------------
+    def finish(self) -> Any:
+        """Meet every rank that arrives in time for a last gather; rank 0 then writes the summary."""
+        scope, coordinator = self.scope, self.scope.coordinator
+        if self._watchdog is not None:
+            self._watchdog.status = "finished"
+        if scope.enabled:
+            if coordinator.distributed and not dist_alive():
+                scope.note_error(
+                    "finish() ran after the process group was destroyed: only rank 0's last steps are in the "
+                    "run; call finish() before destroy_process_group() / accelerator.end_training()"
+                )
+                coordinator.gatherer = None
+            elif coordinator.distributed:
+                missing = coordinator.all_ranks_arrive(scope.segment)
+                if missing:
+                    scope.note_error(f"ranks {missing} never reached finish(); their last steps are missing")
+                    self.flush_own_rows("finish without every rank")
+                    coordinator.gatherer = None
+            if coordinator.distributed or self.rank == 0:
+                self.gather(final=True)
+        return self.report()
+
+    def stop(self, reason: str) -> Any:
+        """End without meeting the other ranks: this rank's rows go to its own file; rank 0 reports."""
+        self.stop_watching()
+        self.flush_own_rows(reason)
+        self.scope.note_error(f"stopped without a final gather: {reason}", warn=False)
+        return self.report()
+
+    def report(self) -> Any:
+        if self.reporter is None:
+            return None
+        if self.scope.flops.learnt:
+            self.reporter.learnt(**self.scope.flops.take_learnt())
+        for message in self.scope.errors:
+            self.reporter.error(message)
+        self.reporter.cost(
+            gathers=self.scope.coordinator.gathers,
+            gather_ms=_quantiles(self.gather_ms),
+            ingest_ms=_quantiles(self.ingest_ms),
+        )
+        return self.reporter.summary()
+
+    def release(self) -> None:
+        self.stop_watching()
+        self._sigterm.restore()
+        if self.reporter is not None:
+            self.reporter.close()
+
+
+def _quantiles(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {}
+    a = np.asarray(values)
+    return {
+        "median": float(np.median(a)),
+        "p95": float(np.percentile(a, 95)),
+        "total": float(a.sum()),
+        "n": len(values),
+    }
+
+
+def _host_memory() -> float | None:
+    try:
+        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return None

@@ -1,0 +1,60 @@
+"""The shape of the code, checked: parts talk through public surfaces, classes stay small, docs match code."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from pytscope_core.options import ScopeOptions
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("pytscope_core", "pytscope_lightning", "pytscope_accelerate")
+
+# Private names of other libraries that pytscope relies on, each for a reason stated where it is used.
+FOREIGN_PRIVATE = {
+    "os._exit",  # the hang abort: exit now, without running the (hung) interpreter shutdown
+    "sys._current_frames",  # every thread's stack for the hang dump
+    "dist.distributed_c10d._get_default_store",  # the job's own key-value store (heartbeats, meeting)
+    "torch.autograd.Variable._execution_engine",  # the engine's final callbacks ("graph done")
+    "loop._broadcast_sigterm_tensor",  # Lightning's per-step broadcast, timed as loop overhead
+}
+
+
+def _sources() -> list[Path]:
+    return [f for pkg in PACKAGES for f in sorted((ROOT / pkg).rglob("*.py"))]
+
+
+def test_no_module_reaches_into_another_objects_private_state() -> None:
+    reaches = []
+    for path in _sources():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.Attribute) and node.attr.startswith("_")):
+                continue
+            if node.attr.startswith("__") or (
+                isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")
+            ):
+                continue
+            text = ast.unparse(node)
+            if text not in FOREIGN_PRIVATE:
+                reaches.append(f"{path.relative_to(ROOT)}:{node.lineno}: {text}")
+    assert reaches == []
+
+
+def test_no_core_class_is_a_god_class() -> None:
+    sizes = {
+        f"{path.relative_to(ROOT)}::{node.name}": node.end_lineno - node.lineno + 1  # type: ignore[operator]
+        for path in (ROOT / "pytscope_core").rglob("*.py")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ClassDef)
+    }
+    assert {name: n for name, n in sizes.items() if n > 300} == {}
+
+
+def test_readme_options_table_is_the_dataclass() -> None:
+    assert ScopeOptions.markdown_table() in (ROOT / "README.md").read_text()
+
+
+def test_integrations_take_the_same_options() -> None:
+    # One source of truth: both integrations pass their keywords to ScopeOptions, so any field works there.
+    for path in (ROOT / "pytscope_lightning" / "callback.py", ROOT / "pytscope_accelerate" / "scope.py"):
+        assert "**options: Any" in path.read_text(), path
