@@ -15,6 +15,8 @@ Measures, on CPU with one thread and a tiny MLP sized (calibrated at start) to a
   driven in a tight loop against the same loop without them; and the same hooks as installed by
   `watch` on a 1-parameter model (which includes torch's slower hooked-module call path). The deferred cost of
   turning marks into rows at each gather (`drain`) is shown per step too. Budget: <= 5 us per step.
+* **FSDP2** (`--fsdp`, benchmarks/overhead_fsdp.py): microseconds per sharded unit per step, and the
+  whole-step overhead on a 2-rank, 7-unit step of 100-200 ms.
 * **one interval gather at 2 ranks**: two spawned gloo processes run a small DDP job under `Scope`; the
   median of `scope.gather_ms` (rank 0 includes writing the rows and the live diagnosis).
 
@@ -528,7 +530,13 @@ def main(argv: list[str] | None = None) -> int:
         "--paths", default="torch,lightning,accelerate", help="comma list of paths to measure"
     )
     parser.add_argument("--no-gather", action="store_true", help="skip the 2-rank gather measurement")
+    parser.add_argument(
+        "--fsdp", action="store_true", help="FSDP2 instead: us per sharded unit per step, whole-step overhead"
+    )
     args = parser.parse_args(argv)
+    if args.fsdp:  # its own module: spawned gloo ranks, benchmarks/overhead_fsdp.py
+        sys.path.insert(0, str(Path(__file__).parent))
+        return int(importlib.import_module("overhead_fsdp").main(["--quick"] if args.quick else []))
 
     import torch
 

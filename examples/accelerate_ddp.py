@@ -36,6 +36,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=300, help="optimizer steps to train in total")
     p.add_argument("--straggler", action="store_true", help="the last rank busy-waits ~4 ms per step")
+    p.add_argument(
+        "--spin-ms", type=float, default=STRAGGLER_SPIN_MS, help="the straggler's busy-wait per step"
+    )
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
     p.add_argument("--save-at", type=int, default=None, help="accelerator.save_state after this step")
     p.add_argument("--kill-at", type=int, default=None, help="every rank SIGKILLs itself after this step")
@@ -44,6 +47,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--run-dir", default=None, help="pytscope run directory (default runs/<timestamp>)")
     p.add_argument("--interval", type=int, default=50, help="steps between pytscope's cross-rank gathers")
     p.add_argument("--no-console", action="store_true", help="no live findings or summary on the console")
+    p.add_argument(
+        "--same-data",
+        action="store_true",
+        help="a bug on purpose: the loader is not prepared, so not sharded",
+    )
     p.add_argument("--block-at", type=int, default=None, help="the last rank blocks forever at this step")
     p.add_argument("--hang-timeout", type=float, default=None, help='seconds (default: "auto")')
     # Misuse that pytscope must survive (exercised by the tests):
@@ -97,7 +105,10 @@ def main(argv: list[str] | None = None) -> None:
         torch.nn.Linear(256, 10),
     )
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    if args.same_data:
+        model, optimizer = accelerator.prepare(model, optimizer)  # every rank iterates the whole dataset
+    else:
+        model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
 
     scope = AccelerateScope(
         accelerator,
@@ -126,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
     for x, y in batches:
         with accelerator.accumulate(model):
             if slow:
-                spin(STRAGGLER_SPIN_MS / args.grad_accum)
+                spin(args.spin_ms / args.grad_accum)
             last_rank = accelerator.process_index == accelerator.num_processes - 1
             if last_rank and accelerator.num_processes > 1 and step + 1 == args.block_at:
                 spin(3600e3)  # never reaches this step's all-reduce: the scope's watchdog ends the job

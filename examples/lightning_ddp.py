@@ -31,9 +31,10 @@ def spin(ms: float) -> None:
 
 
 class Regressor(pl.LightningModule):
-    def __init__(self, straggler: bool = False) -> None:
+    def __init__(self, straggler: bool = False, spin_ms: float = STRAGGLER_SPIN_MS) -> None:
         super().__init__()
         self.straggler = straggler
+        self.spin_ms = spin_ms
         self.net = torch.nn.Sequential(
             torch.nn.Linear(64, 256),
             torch.nn.ReLU(),
@@ -45,7 +46,7 @@ class Regressor(pl.LightningModule):
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
         if self.straggler and self.global_rank == self.trainer.world_size - 1:
-            spin(STRAGGLER_SPIN_MS)
+            spin(self.spin_ms)
         return F.cross_entropy(self.net(x), y)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
@@ -64,6 +65,9 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--straggler", action="store_true", help="the last rank busy-waits ~4 ms per step")
+    parser.add_argument(
+        "--spin-ms", type=float, default=STRAGGLER_SPIN_MS, help="the straggler's busy-wait per step"
+    )
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--interval", type=int, default=50, help="steps between cross-rank gathers")
@@ -83,7 +87,7 @@ def main() -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    trainer.fit(Regressor(straggler=args.straggler), loader)
+    trainer.fit(Regressor(straggler=args.straggler, spin_ms=args.spin_ms), loader)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
 """`AccelerateScope`: pytscope on an Accelerate training loop, as a thin adapter over `pytscope_core.Scope`.
 
 The core already does the torch-level work on the objects `accelerator.prepare` returns: forward timing on
-the (DDP-wrapped) model, exposed gradient communication through an autograd graph-done callback, step hooks
+the (DDP-wrapped) model, exposed gradient communication through an autograd graph-done callback (under the
+FSDP plugin at version 2, also FSDP's all-gathers and reduce-scatters; other wrappers, e.g. DeepSpeed's
+engine, are recorded as "communication not measured"), step hooks
 on the torch optimizer inside `AcceleratedOptimizer` (which steps it only when gradients sync, so an
 `accelerator.accumulate` window is one step), and batch waits on the prepared loader instance. This adapter
 only connects Accelerate's own channels: live metrics go to `accelerator.log` (whatever trackers the user

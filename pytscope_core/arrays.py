@@ -28,6 +28,7 @@ class RunArrays:
     mem_bytes: np.ndarray  # (S, R)
     grad_syncs: np.ndarray  # (S, R)
     micro_batches: np.ndarray  # (S, R)
+    batch_fp: np.ndarray  # (S, R) hash of the step's first batch on that rank (every 8th step), else NaN
     segment: np.ndarray  # (S, R) float64, NaN where missing
     counted: np.ndarray  # (S,) bool: step is past the warm-up of its segment (statistics use these)
     replayed: np.ndarray = field(default_factory=lambda: np.empty((0, NCOLS)))  # rows superseded by a resume
@@ -55,21 +56,36 @@ class RunArrays:
         valid = np.isfinite(rows[:, COL["step"]]) & np.isfinite(rows[:, COL["rank"]])
         if not valid.all():
             rows = rows[valid]
-        rows, replayed = _latest_per_rank_step(rows)
-        steps, step_index = _dense_index(rows[:, COL["step"]].astype(np.int64))
-        ranks, rank_index = _dense_index(rows[:, COL["rank"]].astype(np.int64))
-        # One flat (step, rank) cell index, then one scatter per column: no (S, R, 17) temporary.
-        cell = step_index * ranks.size + rank_index
-        shape = (steps.size, ranks.size)
+        grid = _rank_grid(rows)
+        if grid is not None:  # whole ranks in order, as a gather delivers them: transpose, nothing to sort
+            steps, ranks = grid[0, :, COL["step"]].astype(np.int64), grid[:, 0, COL["rank"]].astype(np.int64)
+            replayed = rows[:0]
 
-        def column(name: str) -> np.ndarray:
-            out = np.full(steps.size * ranks.size, np.nan)
-            out[cell] = rows[:, COL[name]]
-            return out.reshape(shape)
+            def column(name: str) -> np.ndarray:
+                return np.ascontiguousarray(grid[:, :, COL[name]].T)
 
-        flat = np.full((steps.size * ranks.size, len(PHASE_COLS)), np.nan)
-        flat[cell] = rows[:, list(PHASE_COLS)]
-        phases = flat.reshape(*shape, len(PHASE_COLS))
+            phases = np.ascontiguousarray(grid[:, :, _PHASE_SLICE].transpose(1, 0, 2))
+        else:
+            rows, replayed = _latest_per_rank_step(rows)
+            steps, step_index = _dense_index(rows[:, COL["step"]].astype(np.int64))
+            ranks, rank_index = _dense_index(rows[:, COL["rank"]].astype(np.int64))
+            # One flat (step, rank) cell index, then one scatter per column: no (S, R, 17) temporary.
+            cell = step_index * ranks.size + rank_index
+            shape = (steps.size, ranks.size)
+            # Cells are unique (one row per rank and step); when every cell has one, no NaN fill is needed.
+            complete = cell.size == steps.size * ranks.size
+
+            def empty(*size: int) -> np.ndarray:
+                return np.empty(size) if complete else np.full(size, np.nan)
+
+            def column(name: str) -> np.ndarray:
+                out = empty(steps.size * ranks.size)
+                out[cell] = rows[:, COL[name]]
+                return out.reshape(shape)
+
+            flat = empty(steps.size * ranks.size, len(PHASE_COLS))
+            flat[cell] = rows[:, list(PHASE_COLS)]
+            phases = flat.reshape(*shape, len(PHASE_COLS))
         wall, excluded = column("wall_ms"), column("excluded_ms")
         discount_peer_pauses(phases, wall, excluded)
         segment = column("segment")
@@ -85,6 +101,7 @@ class RunArrays:
             mem_bytes=column("mem_bytes"),
             grad_syncs=column("grad_syncs"),
             micro_batches=column("micro_batches"),
+            batch_fp=column("batch_fp"),
             segment=segment,
             counted=_past_warmup(steps, segment, warmup),
             replayed=replayed,
@@ -135,11 +152,36 @@ class RunArrays:
             mem_bytes=per_rank(mem_bytes, np.nan),
             grad_syncs=per_rank(None, 1.0),
             micro_batches=per_rank(None, 1.0),
+            batch_fp=per_rank(None, np.nan),
             segment=per_rank(None, 0.0),
             counted=np.arange(s) >= warmup,
         )
         fields.update(extra)
         return cls(**fields)
+
+
+_PHASE_SLICE = slice(PHASE_COLS[0], PHASE_COLS[-1] + 1)
+assert PHASE_COLS == tuple(range(_PHASE_SLICE.start, _PHASE_SLICE.stop)), "phase columns are adjacent"
+
+
+def _rank_grid(rows: np.ndarray) -> np.ndarray | None:
+    """`rows` as a (ranks, steps, columns) view when they are whole ranks one after another, ranks increasing,
+    every rank with the same increasing steps (what a gather delivers); else None. Such rows need no
+    deduplication and no scatter: O(n) checks on two columns decide."""
+    n = rows.shape[0]
+    if n == 0:
+        return None
+    rank = rows[:, COL["rank"]]
+    per_rank = int(np.argmax(rank != rank[0])) or n
+    if n % per_rank:
+        return None
+    grid = rows.reshape(n // per_rank, per_rank, NCOLS)
+    r, s = grid[:, :, COL["rank"]], grid[:, :, COL["step"]]
+    if not ((r == r[:, :1]).all() and (s == s[:1]).all()):
+        return None
+    if not ((np.diff(r[:, 0]) > 0).all() and (np.diff(s[0]) > 0).all()):
+        return None
+    return grid
 
 
 def _dense_index(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -202,8 +244,8 @@ def _past_warmup(steps: np.ndarray, segment: np.ndarray, warmup: int) -> np.ndar
     """True for steps that are not among the first `warmup` steps of their segment."""
     if steps.size == 0 or warmup <= 0:
         return np.ones(steps.size, dtype=bool)
-    with np.errstate(all="ignore"):
-        seg = np.nanmax(np.where(np.isnan(segment), -1, segment), axis=1)
+    seg = np.fmax.reduce(segment, axis=1)  # the step's segment, NaN ignored (one pass over the grid)
+    seg[np.isnan(seg)] = -1
     counted = np.ones(steps.size, dtype=bool)
     for value in np.unique(seg):
         idx = np.flatnonzero(seg == value)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from .batches import first_tensor
 from .recorder import StepRecorder
 from .timeline import Mark
 
@@ -20,23 +21,13 @@ _BACKWARD_END = int(Mark.BACKWARD_END)
 _GRAPH_DONE = int(Mark.GRAPH_DONE)
 
 
-def first_grad_tensor(output: Any, _depth: int = 0) -> Any:
+def first_grad_tensor(output: Any) -> Any:
     """The first tensor in a module's output that will receive a gradient, or None."""
-    if getattr(output, "requires_grad", False) and getattr(output, "grad_fn", None) is not None:
-        return output
-    if _depth < 3:
-        values = (
-            output.values()
-            if isinstance(output, dict)
-            else output
-            if isinstance(output, (list, tuple))
-            else ()
-        )
-        for value in values:
-            t = first_grad_tensor(value, _depth + 1)
-            if t is not None:
-                return t
-    return None
+    return first_tensor(output, _receives_grad)
+
+
+def _receives_grad(t: Any) -> bool:
+    return bool(t.requires_grad) and t.grad_fn is not None
 
 
 class BackwardTimer:
@@ -52,15 +43,19 @@ class BackwardTimer:
         self._ready_order: list[Any] | None = None  # first backward: the order gradients became ready
         self._queue_callback: Callable[[Callable[[], None]], None] | None = None
 
-    def watch(self, model: Any) -> None:
+    def watch(self, model: Any, grad_hooks: bool = True) -> None:
         """Hook the parameters of `model` whose gradients become ready first.
 
         A per-step hook on the output tensor costs ~13 us to register; a persistent one on a parameter costs
         ~1 us to fire. The first backward hooks every parameter to learn which gradients become ready first,
         then keeps the first few only: any parameter ready before the last one queues the graph-done callback
-        ahead of DDP's finalize, which DDP queues when its last bucket becomes ready.
+        ahead of DDP's finalize, which DDP queues when its last bucket becomes ready. With `grad_hooks=False`
+        (FSDP2, whose sharded parameters' hooks fire only after each unit's reduce-scatter, called by FSDP
+        itself) backward is timed from a hook on the output instead (`forward_done`).
         """
         self._queue_callback = _engine_queue_callback()
+        if not grad_hooks:
+            return
         params = [p for p in model.parameters() if p.requires_grad]
         if not params or not hasattr(params[0], "register_post_accumulate_grad_hook"):
             return

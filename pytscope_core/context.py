@@ -7,8 +7,10 @@ them as plain frozen dataclasses so that the rules stay pure functions.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+from .placement import Placement
 
 
 @dataclass(frozen=True)
@@ -48,12 +50,15 @@ class RunContext:
     flops_per_step: float | None = None  # model FLOPs of one optimizer step on one rank
     peak_flops: float | None = None  # per-device peak FLOP/s
     mem_limit_bytes: float | None = None  # device memory (CUDA) or host RAM (CPU)
+    parallelism: str | None = None  # what the model was wrapped in (parallelism.py); None: not recorded
+    comm_measured: bool = True  # False: waits hide in compute, so no local work or straggler analysis
     segments: tuple[Segment, ...] = ()
     counts_checks: tuple[CountsCheck, ...] = ()
     replica_checks: tuple[ReplicaCheck, ...] = ()
     hang_reports: tuple[dict, ...] = ()  # DIST.HANG reports written by the watchdog (plain JSON)
     scope_errors: tuple[str, ...] = ()  # internal errors that disabled the scope
     rank_notes: tuple[tuple[int, str], ...] = ()  # (rank, why it wrote its own rows: "hang", "SIGTERM" ...)
+    placement: Placement = field(default_factory=Placement)  # each rank's host and local rank (meta "hosts")
 
     @classmethod
     def from_meta(cls, meta: dict[str, Any], **fields: Any) -> RunContext:
@@ -68,6 +73,9 @@ class RunContext:
             "flops_per_step": _positive(meta.get("flops_per_step")),
             "peak_flops": _positive(meta.get("peak_flops")),
             "mem_limit_bytes": _positive(meta.get("mem_limit_bytes")),
+            "parallelism": meta.get("parallelism"),
+            "comm_measured": meta.get("comm_measured") is not False,  # runs from before the key: measured
+            "placement": Placement.from_meta(meta),
         }
         return cls(**{**settings, **fields})
 

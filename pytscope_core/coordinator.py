@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from .gather import Exchange
+from .placement import Placement, local_place
 from .recorder import StepRecorder
 
 STORE_PREFIX = "pytscope"
@@ -39,13 +40,14 @@ class Coordinator:
         self.rank = 0
         self.world_size = 1
         self.gatherer: Any = None  # gather.Gatherer when distributed, until finish
+        self.placement = Placement()  # every rank's host and local rank: rank 0 only (learnt at start)
         self.gathers = 0
         self._next_gather = interval
 
     # -- start ----------------------------------------------------------------------------------------
     def start(self, run_dir: Path | None) -> Path:
-        """Learn rank and world size, create the scope's group (collective) and agree on rank 0's run
-        directory; returns it."""
+        """Learn rank and world size, create the scope's group (collective), agree on rank 0's run directory
+        (returned) and tell rank 0 where every rank runs."""
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized():
@@ -54,9 +56,14 @@ class Coordinator:
         if self.world_size > 1:
             from .gather import Gatherer
 
-            self.gatherer = Gatherer(self.gather_timeout)
+            self.gatherer = Gatherer(self.gather_timeout, capacity=self.interval)
             chosen = str(run_dir or default_run_dir()) if self.rank == 0 else None
-            return Path(self.gatherer.broadcast_object(chosen))
+            path = Path(self.gatherer.broadcast_object(chosen))
+            places = self.gatherer.gather_places(*local_place())
+            if places is not None:
+                self.placement = Placement.of(places)
+            return path
+        self.placement = Placement.of([local_place()])
         return run_dir or default_run_dir()
 
     @property
@@ -90,8 +97,8 @@ class Coordinator:
         self.recorder.notify_at = self._next_gather
 
     # -- the exchange ---------------------------------------------------------------------------------
-    def exchange(self, counters: tuple[float, ...], rows: np.ndarray) -> Exchange:
-        """Every rank's counters and rows (collective when distributed)."""
+    def exchange(self, counters: tuple[float, ...], rows: np.ndarray) -> Exchange | None:
+        """Every rank's counters and rows on rank 0, None on the others (collective when distributed)."""
         self.gathers += 1
         if self.gatherer is None:
             return Exchange(np.array([[*counters[:3], rows.shape[0], counters[3]]]), rows)
@@ -124,10 +131,11 @@ class Coordinator:
             return []
         key = f"{STORE_PREFIX}/finish/{segment}"
         store.set(f"{key}/{self.rank}", "1")
+        # One counter and one key to wait on, not W keys per rank: the store's work stays O(W) at any scale.
+        if int(store.add(f"{key}/arrived", 1)) >= self.world_size:
+            store.set(f"{key}/all", "1")
         try:
-            store.wait(
-                [f"{key}/{r}" for r in range(self.world_size)], datetime.timedelta(seconds=FINISH_WAIT_S)
-            )
+            store.wait([f"{key}/all"], datetime.timedelta(seconds=FINISH_WAIT_S))
             return []
         except STORE_ERRORS:
             return [r for r in range(self.world_size) if not store.check([f"{key}/{r}"])]

@@ -1,15 +1,25 @@
-"""The cross-rank exchange: every rank's step records of a window, on a process group of the scope's own.
+"""The cross-rank exchange: every rank's step records of a window, to rank 0, on a process group of the scope's own.
 
-Two all_gathers on a gloo group with a timeout, CPU tensors only, so the scope never touches the training's
-streams or communicator. The first carries a fixed-size header with each rank's cumulative counters, so
-ranks that disagree on how many steps they took are seen before any records move; the second carries the
-records, padded to the longest window.
+A gloo group with a timeout, CPU tensors only, so the scope never touches the training's streams or
+communicator. Only rank 0 reads the records, so they travel one way: each rank sends one fixed-size block (a
+header row with its cumulative counters, then up to `capacity` rows of its window) with `dist.gather`, and
+receives a single number back (`dist.broadcast`: how many rows beyond the capacity the longest window holds,
+almost always 0; when it is not, a second gather carries the tail). Bytes per rank and interval are constant
+in the world size; rank 0 receives O(W). Rank 0 sees every header, so ranks that disagree on how many steps
+they took are seen (DIST.DESYNC) even though every rank met at the same collective.
+
+The group is created with gloo's lazy connections (`TORCH_GLOO_LAZY_INIT=1` around `new_group`, unless the
+variable is set already): pairs connect on first use, so a gather to rank 0 opens O(W) connections in all
+instead of the W x (W - 1) of a full mesh that every rank would open at creation.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import os
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +28,8 @@ import numpy as np
 from .records import NCOLS
 
 HEADER = ("steps", "grad_syncs", "micro_batches", "rows", "checksum")
+HOST_BYTES = 256  # a host name in the start-time placement gather (longer names are cut)
+LAZY_ENV = "TORCH_GLOO_LAZY_INIT"
 
 
 @dataclass(frozen=True)
@@ -26,20 +38,51 @@ class Exchange:
     rows: np.ndarray  # (n, NCOLS): every rank's rows of the window
 
 
+@dataclass
+class Traffic:
+    """Payload bytes of the last exchange on this rank, from the tensors' sizes (not counting gloo framing)."""
+
+    sent: int = 0
+    received: int = 0
+
+
 class Gatherer:
-    def __init__(self, timeout_s: float = 600.0) -> None:
+    def __init__(self, timeout_s: float = 600.0, capacity: int = 50) -> None:
         import torch.distributed as dist
 
         self._dist = dist
         self.world_size = dist.get_world_size()
         self.rank = dist.get_rank()
+        self.capacity = max(1, capacity)  # rows per rank in the fixed-size block: the gather interval
+        self.traffic = Traffic()
+        t0 = time.perf_counter()
         # new_group is collective: every rank creates it at the same point (the first loop top).
-        self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        with _lazy_connections():
+            self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        self.create_ms = (time.perf_counter() - t0) * 1e3
 
     def broadcast_object(self, obj: Any) -> Any:
         box = [obj]
         self._dist.broadcast_object_list(box, src=0, group=self.group)
         return box[0]
+
+    def gather_places(self, host: str, local_rank: int) -> list[tuple[str, int]] | None:
+        """Every rank's (host, local rank) on rank 0 (None elsewhere): one fixed-size gather."""
+        import torch
+
+        name = host.encode()[:HOST_BYTES]
+        mine = torch.zeros(HOST_BYTES + 2, dtype=torch.int64)
+        mine[0], mine[1] = len(name), local_rank
+        mine[2 : 2 + len(name)] = torch.tensor(list(name), dtype=torch.int64)
+        every = [torch.empty_like(mine) for _ in range(self.world_size)] if self.rank == 0 else None
+        self._dist.gather(mine, every, dst=0, group=self.group)
+        if every is None:
+            return None
+        out = []
+        for t in every:
+            n, local, *chars = t.tolist()
+            out.append((bytes(chars[:n]).decode(errors="replace"), int(local)))
+        return out
 
     def all_gather_ints(self, values: list[int]) -> list[list[int]]:
         import torch
@@ -49,22 +92,50 @@ class Gatherer:
         self._dist.all_gather(out, t, group=self.group)
         return [o.tolist() for o in out]
 
-    def exchange(self, counters: tuple[float, ...], rows: np.ndarray) -> Exchange:
+    def exchange(self, counters: tuple[float, ...], rows: np.ndarray) -> Exchange | None:
+        """Send this rank's counters and rows to rank 0; rank 0 returns everyone's, the others None."""
         import torch
 
-        header = torch.tensor([*counters[:3], float(rows.shape[0]), counters[3]], dtype=torch.float64)
-        headers = [torch.empty_like(header) for _ in range(self.world_size)]
-        self._dist.all_gather(headers, header, group=self.group)
-        h = torch.stack(headers).numpy()
-        width = int(h[:, HEADER.index("rows")].max()) if h.size else 0
-        if width == 0:
-            return Exchange(h, np.empty((0, NCOLS)))
-        padded = torch.full((width, NCOLS), float("nan"), dtype=torch.float64)
-        padded[: rows.shape[0]] = torch.from_numpy(rows)
-        out = [torch.empty_like(padded) for _ in range(self.world_size)]
-        self._dist.all_gather(out, padded, group=self.group)
-        every = torch.cat(out).numpy()
-        return Exchange(h, every[~np.isnan(every[:, 0])])
+        cap, n = self.capacity, rows.shape[0]
+        block = torch.full((1 + cap, NCOLS), float("nan"), dtype=torch.float64)
+        block[0, : len(HEADER)] = torch.tensor([*counters[:3], float(n), counters[3]], dtype=torch.float64)
+        if n:
+            block[1 : 1 + min(n, cap)] = torch.from_numpy(rows[:cap])
+        blocks = self._gather(block)
+        stacked = torch.stack(blocks).numpy() if blocks is not None else None
+        tail_rows = torch.zeros(1, dtype=torch.int64)  # rows beyond the capacity on the longest window
+        if stacked is not None:
+            tail_rows[0] = max(0, int(stacked[:, 0, HEADER.index("rows")].max()) - cap)
+        self._dist.broadcast(tail_rows, src=0, group=self.group)
+        width = int(tail_rows[0])
+        tails = None
+        if width:
+            tail = torch.full((width, NCOLS), float("nan"), dtype=torch.float64)
+            if n > cap:
+                tail[: n - cap] = torch.from_numpy(rows[cap:])
+            tails = self._gather(tail)
+        self._count(block.numel() + (width * NCOLS if width else 0))
+        if stacked is None:
+            return None
+        parts = [stacked[:, 1:].reshape(-1, NCOLS)]
+        if tails is not None:
+            parts.append(torch.cat(tails).numpy())
+        every = np.concatenate(parts)
+        return Exchange(stacked[:, 0, : len(HEADER)].copy(), every[~np.isnan(every[:, 0])])
+
+    def _gather(self, tensor: Any) -> list[Any] | None:
+        out = [tensor.new_empty(tensor.shape) for _ in range(self.world_size)] if self.rank == 0 else None
+        self._dist.gather(tensor, out, dst=0, group=self.group)
+        return out
+
+    def _count(self, numbers: int) -> None:
+        """Payload of this exchange: each rank sends its blocks to rank 0 and gets one int64 back."""
+        if self.rank == 0:
+            self.traffic = Traffic(
+                sent=8 * (self.world_size - 1), received=8 * numbers * (self.world_size - 1)
+            )
+        else:
+            self.traffic = Traffic(sent=8 * numbers, received=8)
 
     def destroy(self, dist_alive: bool = True) -> None:
         """Destroy the group (unless the default group is already gone, with ours in it) and drop it, so that
@@ -73,3 +144,17 @@ class Gatherer:
             with contextlib.suppress(Exception):  # best effort at the end of a run
                 self._dist.destroy_process_group(self.group)
         self.group = None
+
+
+@contextlib.contextmanager
+def _lazy_connections() -> Iterator[None]:
+    """Gloo's lazy pair connections for the group created inside (read when the group is created); a value the
+    user set is left alone (`TORCH_GLOO_LAZY_INIT=0` restores the full mesh)."""
+    if LAZY_ENV in os.environ:
+        yield
+        return
+    os.environ[LAZY_ENV] = "1"
+    try:
+        yield
+    finally:
+        os.environ.pop(LAZY_ENV, None)

@@ -1,6 +1,7 @@
 """Torch hooks that feed the recorder: model forward, the autograd engine, optimizer steps, the data loader.
 
-Nothing global is patched, and nothing is registered per step. The model instance's `forward` is wrapped
+Nothing global is patched, and nothing is registered per step (except under FSDP2, where the waits sit behind
+hooks FSDP itself registers per step: `fsdp.py`). The model instance's `forward` is wrapped
 (module hooks would take every call off nn.Module's fast path); backward and exposed communication are
 timed from the autograd engine (`backward.BackwardTimer`); optimizer steps from torch's step hooks; the
 loader by giving that one instance a subclass whose iterator marks the wait for each batch (`loader.py`).
@@ -13,8 +14,11 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from .backward import BackwardTimer
+from .batches import fingerprint, first_tensor
 from .flops import FlopEstimate
+from .fsdp import FSDPCommTimer
 from .loader import watch_loader
+from .parallelism import fsdp2_units
 from .recorder import StepRecorder
 from .timeline import Mark
 
@@ -26,27 +30,6 @@ _FORWARD_END = int(Mark.FORWARD_END)
 _OPTIMIZER_BEGIN = int(Mark.OPTIMIZER_BEGIN)
 _PAUSE_BEGIN = int(Mark.PAUSE_BEGIN)
 _PAUSE_END = int(Mark.PAUSE_END)
-
-
-def batch_size(batch: Any, _depth: int = 0) -> float:
-    """Leading dimension of the first tensor found in a batch (tensor, sequence or mapping), else NaN."""
-    if type(batch) in (tuple, list) and batch and hasattr(batch[0], "shape"):  # (inputs, targets): the usual
-        batch = batch[0]
-    shape = getattr(batch, "shape", None)
-    if shape is not None and len(shape) > 0:
-        return float(shape[0])
-    if _depth < 3:
-        if isinstance(batch, dict):
-            for value in batch.values():
-                n = batch_size(value, _depth + 1)
-                if n == n:
-                    return n
-        elif isinstance(batch, (list, tuple)):
-            for value in batch[:4]:
-                n = batch_size(value, _depth + 1)
-                if n == n:
-                    return n
-    return math.nan
 
 
 def unwrap_optimizer(optimizer: Any) -> Any:
@@ -71,6 +54,7 @@ class TorchHooks:
         self._undo: list[Callable[[], None]] = []  # puts each watched loader back as it was
         self._models: list[tuple[Any, Any]] = []  # (model, the instance `forward` it had before, if any)
         self.backward = BackwardTimer(recorder, on_error)
+        self.sharded: FSDPCommTimer | None = None  # FSDP2: the all-gather and reduce-scatter waits
         self._batch_samples = math.nan
         self.flop_estimate: FlopEstimate | None = None  # set by the scope when FLOPs per step are unknown
         self.first_forward: Callable[[], None] | None = None  # called once, inside the first training forward
@@ -86,17 +70,28 @@ class TorchHooks:
     # -- installation ---------------------------------------------------------------------------------
     def watch_model(self, model: Any) -> None:
         """Time the forward of `model` (its instance `forward` is wrapped: registered module hooks would
-        push every call off nn.Module's fast path, ~8 us) and its backward (`watch_backward`)."""
+        push every call off nn.Module's fast path, ~8 us) and its backward (`watch_backward`). An FSDP2 root
+        is timed by module hooks around FSDP's own instead: its forward starts with FSDP's all-gather, before
+        `forward` is even called, and FSDP's hooks already took it off the fast path."""
         import torch
 
         self.is_ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
+        self.watch_backward(model)
+        if self.sharded is not None and self.sharded.is_unit(model):
+            self._handles.extend(self._hooked_forward(model))
+            return
         before = model.__dict__.get("forward")
         model.forward = self._timed_forward(model, model.forward)
         self._models.append((model, before))
-        self.watch_backward(model)
 
     def watch_backward(self, model: Any) -> None:
-        self.backward.watch(model)
+        """Time backward (and exposed communication) from `model`'s parameters; under FSDP2, also the
+        all-gathers and reduce-scatters of its sharded units (`fsdp.FSDPCommTimer`)."""
+        units = fsdp2_units(model)
+        if units and self.sharded is None:
+            self.sharded = FSDPCommTimer(self.recorder, self._recording, self._in_backward, self._on_error)
+            self.sharded.watch(units)
+        self.backward.watch(model, grad_hooks=not units)
 
     def watch_optimizer(self, optimizer: Any, pre_hook: bool = True) -> None:
         """`pre_hook=False` where the framework runs forward and backward inside `step(closure)` (Lightning):
@@ -121,6 +116,8 @@ class TorchHooks:
             handle.remove()
         self._handles.clear()
         self.backward.remove()
+        if self.sharded is not None:
+            self.sharded.remove()
         for model, before in self._models:
             if before is None:
                 model.__dict__.pop("forward", None)
@@ -136,34 +133,82 @@ class TorchHooks:
         import torch
 
         is_grad_enabled = torch.is_grad_enabled
-        rec = self.recorder
 
         def timed(*args: Any, **kwargs: Any) -> Any:
             # Recomputation inside backward, and evaluation in a pause or between epochs, are not training.
             if self._quiet or not module.training or not is_grad_enabled():
                 return forward(*args, **kwargs)
-            try:
-                if self.loader_watched:
-                    rec.mark(_FORWARD_BEGIN)
-                else:
-                    self._batch_samples = batch_size(args)
-                    rec.loop_top(_FORWARD_BEGIN)
-                if self.flop_estimate is not None:
-                    self.flop_estimate.begin(rec.steps_done + 1)
-                if self.first_forward is not None:
-                    probe, self.first_forward = self.first_forward, None
-                    probe()
-            except Exception as exc:
-                self._on_error(exc)
+            self._forward_entered(args)
             output = forward(*args, **kwargs)
-            try:
-                # DDP decides in forward whether this backward all-reduces (no_sync() turns it off).
-                self.forward_done(output, self.is_ddp and module.require_backward_grad_sync)
-            except Exception as exc:
-                self._on_error(exc)
+            self._forward_left(module, output)
             return output
 
         return timed
+
+    def _hooked_forward(self, module: Any) -> list[Any]:
+        """The wrapper's marks from module hooks placed outside FSDP's: forward begins before FSDP's
+        pre-forward (the root's all-gather) and ends before its post-forward (which hooks the output)."""
+        import torch
+
+        is_grad_enabled = torch.is_grad_enabled
+        timing = [False]
+
+        def before(mod: Any, args: Any) -> None:
+            timing[0] = not self._quiet and mod.training and is_grad_enabled()
+            if timing[0]:
+                self._forward_entered(args)
+
+        def after(mod: Any, args: Any, output: Any) -> None:
+            if timing[0]:
+                timing[0] = False
+                self._forward_left(mod, output)
+
+        return [
+            module.register_forward_pre_hook(before, prepend=True),
+            module.register_forward_hook(after, prepend=True),
+        ]
+
+    def _forward_entered(self, args: Any) -> None:
+        rec = self.recorder
+        try:
+            if self.loader_watched:
+                rec.mark(_FORWARD_BEGIN)
+            else:
+                self._note_batch(args)
+                rec.loop_top(_FORWARD_BEGIN)
+            if self.flop_estimate is not None:
+                self.flop_estimate.begin(rec.steps_done + 1)
+            if self.first_forward is not None:
+                probe, self.first_forward = self.first_forward, None
+                probe()
+        except Exception as exc:
+            self._on_error(exc)
+
+    def _forward_left(self, module: Any, output: Any) -> None:
+        try:
+            # DDP and FSDP2 decide in forward whether this backward syncs (no_sync(),
+            # set_requires_gradient_sync(False) turn it off).
+            sync = self.is_ddp and module.require_backward_grad_sync or self._sharded_sync()
+            self.forward_done(output, sync)
+        except Exception as exc:
+            self._on_error(exc)
+
+    def _sharded_sync(self) -> bool:
+        return self.sharded is not None and self.sharded.sync_expected()
+
+    def grad_sync_expected(self, ddp: Any = None) -> bool:
+        """Whether the coming backward synchronises gradients: `ddp` outside `no_sync()`, or the watched
+        FSDP2 units with gradient sync on. For integrations that mark forward themselves."""
+        if ddp is not None:
+            return bool(ddp.require_backward_grad_sync)
+        return self._sharded_sync()
+
+    def _recording(self) -> bool:
+        """Training time is recorded now: the scope works and no pause (evaluation, an epoch end) is open."""
+        return self.backward.active and not self.paused and not self._epoch_paused
+
+    def _in_backward(self) -> bool:
+        return self.backward.in_backward
 
     @property
     def _quiet(self) -> bool:
@@ -220,7 +265,7 @@ class TorchHooks:
             raise
         try:
             self.recorder.mark(_DATA_END)
-            self._batch_samples = batch_size(batch)
+            self._note_batch(batch)
         except Exception as exc:
             self._on_error(exc)
         return batch
@@ -241,7 +286,17 @@ class TorchHooks:
 
     def data_end(self, batch: Any) -> None:
         self.recorder.mark(_DATA_END)
-        self._batch_samples = batch_size(batch)
+        self._note_batch(batch)
+
+    def _note_batch(self, batch: Any) -> None:
+        """The batch's size (samples per step) and, on the steps that take one, its fingerprint."""
+        if type(batch) in (tuple, list) and batch and hasattr(batch[0], "shape"):  # (inputs, targets)
+            batch = batch[0]
+        t = first_tensor(batch)
+        shape = getattr(t, "shape", None)
+        self._batch_samples = float(shape[0]) if shape is not None and len(shape) > 0 else math.nan
+        if self.recorder.wants_fingerprint:
+            self.recorder.set_fingerprint(fingerprint(t))
 
     def pause(self) -> None:
         self.paused = True

@@ -1,19 +1,24 @@
 """Live diagnosis on rank 0: what each gather brings is stored, checked across ranks and, often enough to be
 useful and rarely enough to stay cheap, diagnosed.
 
-Rank 0 is on every rank's critical path while it diagnoses (the others wait for it in the next all-reduce),
-so a diagnosis runs only as often as keeps its cost under LIVE_BUDGET of wall time, over the last LIVE_STEPS
-steps, in one analysis pass whose result feeds both the findings and the metrics. Its context comes from the
+It runs on rank 0's ingest thread (`ingest.BackgroundIngest`), off every rank's critical path; it still
+shares rank 0's CPU and interpreter with training, so a diagnosis runs only as often as keeps its cost under
+LIVE_BUDGET of wall time, over the last LIVE_STEPS steps (fewer on large jobs: LIVE_CELLS rank-steps at
+most), in one analysis pass whose result feeds both the findings and the metrics. Its context comes from the
 same builder as the final report's (`RunContext.from_meta`), so live and final findings judge the same facts.
+State is guarded by one lock: the ingest thread, the training thread (integration findings, metrics) and the
+watchdog thread (a hang) all reach it. Metrics are handed to the training thread (`publish_metrics`), since
+loggers expect to be called there.
 """
 
 from __future__ import annotations
 
 import collections
 import math
+import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -22,7 +27,14 @@ from .context import CountsCheck, ReplicaCheck, RunContext, Segment
 from .findings import Finding, Severity
 from .reporter import RunReporter
 
+if TYPE_CHECKING:
+    from .analysis import RunAnalysis
+
 LIVE_STEPS = 1000  # steps kept in memory on rank 0 for live diagnosis: bounds its cost on long runs
+LIVE_CELLS = 800_000
+"""...and at most this many rank-steps (about one 50-step interval of 16,384 ranks): bounds the cost and the
+memory of a live diagnosis on large jobs. Statistics need 50 counted steps (timing.MIN_STATISTIC_STEPS), and
+the window always holds the latest gather whole."""
 LIVE_BUDGET = 0.005  # live diagnosis may take at most this share of wall time; other gathers only store rows
 
 MetricsSink = Callable[[dict[str, float], int], None]
@@ -52,20 +64,48 @@ class LiveDiagnosis:
         self.hang_reports: list[dict[str, Any]] = []
         self._clock = clock
         self._recent: collections.deque[np.ndarray] = collections.deque()
+        self._world = 1
         self._recent_steps = 0
         self._reported: dict[tuple[str, tuple[int, ...]], Severity] = {}
         self._cost_s = 0.0
         self._at = clock()
+        self._lock = threading.RLock()
+        self._metrics: collections.deque[tuple[dict[str, float], int]] = collections.deque(maxlen=16)
+        self.diagnoses = 0
 
     def ingest(self, headers: np.ndarray, rows: np.ndarray, gather: int, step: int, final: bool) -> None:
         """One gather: `headers` (ranks x gather.HEADER), every rank's `rows`, the gather's number and the
         step label it happened at."""
-        self.reporter.rows(rows)
-        self._check_counts(headers, gather)
-        self._check_replicas(headers, step)
-        if final:
-            return
-        self._remember(rows)
+        self.record(headers, rows, gather, step, final)
+        if not final:
+            self.diagnose_if_due(step)
+
+    def record(
+        self,
+        headers: np.ndarray,
+        rows: np.ndarray,
+        gather: int,
+        step: int,
+        final: bool = False,
+        scalars: list[dict[str, Any]] | None = None,
+        learnt: dict[str, Any] | None = None,
+    ) -> None:
+        """The part of a gather that is never skipped: rank 0's scalars and settings learnt since the last
+        gather, the rows into the run, the counts and replica checks, and (unless final) the rows into the
+        live window."""
+        with self._lock:
+            if scalars:
+                self.reporter.writer.scalars(scalars)
+            if learnt:
+                self.reporter.learnt(**learnt)
+            self.reporter.rows(rows)
+            self._check_counts(headers, gather)
+            self._check_replicas(headers, step)
+            if not final:
+                self._remember(rows, world=max(1, headers.shape[0]))
+
+    def diagnose_if_due(self, step: int) -> None:
+        """Diagnose unless the last diagnosis's cost says it is too soon (LIVE_BUDGET)."""
         now = self._clock()
         if self._cost_s > LIVE_BUDGET * (now - self._at):
             return
@@ -77,43 +117,59 @@ class LiveDiagnosis:
 
     def add(self, finding: Finding, step: int) -> None:
         """A finding an integration made itself (e.g. DATA.UNEVEN_SHARDS): kept, printed and stored."""
-        self.extra_findings.append(finding)
-        self._reported[finding.key] = finding.severity
-        self.reporter.findings([finding], step, source="integration")
+        with self._lock:
+            self.extra_findings.append(finding)
+            self._reported[finding.key] = finding.severity
+            self.reporter.findings([finding], step, source="integration")
 
     def hang(self, finding: Finding, step: int) -> None:
-        self.hang_reports.append(finding.to_dict())
-        self.reporter.hang(finding, step)
+        """Called from the watchdog thread."""
+        with self._lock:
+            self.hang_reports.append(finding.to_dict())
+            self.reporter.hang(finding, step)
+
+    def publish_metrics(self) -> None:
+        """Hand the metrics of the diagnoses made since the last call to the sink; call on the training
+        thread (Lightning's loggers read the trainer's state)."""
+        while self._metrics and self.metrics_sink is not None:
+            values, step = self._metrics.popleft()
+            self.metrics_sink(values, step)
 
     def context(self) -> RunContext:
-        return RunContext.from_meta(
-            self.reporter.meta,
-            warmup=self.warmup,
-            segments=(self.segment,),
-            counts_checks=tuple(self.counts_checks),
-            replica_checks=tuple(self.replica_checks),
-            hang_reports=tuple(self.hang_reports),
-            scope_errors=tuple(self.errors),
-        )
+        with self._lock:
+            return RunContext.from_meta(
+                dict(self.reporter.meta),
+                warmup=self.warmup,
+                segments=(self.segment,),
+                counts_checks=tuple(self.counts_checks),
+                replica_checks=tuple(self.replica_checks),
+                hang_reports=tuple(self.hang_reports),
+                scope_errors=tuple(self.errors),
+            )
 
     def diagnose(self, step: int) -> None:
         """Diagnose the recent steps once; publish findings that are new or got worse, and the metrics."""
         from .analysis import analyze, run_rules
-        from .summary import summary_of
 
-        arrays = RunArrays.from_rows(np.concatenate(list(self._recent)), warmup=self.warmup)
+        with self._lock:
+            window, world = list(self._recent), self._world
+        if not window:
+            return
+        arrays = RunArrays.from_rows(_rank_after_rank(window, world), warmup=self.warmup)
         if arrays.n_steps == 0:
             return
         analysis = analyze(arrays, self.context())
-        self.findings = run_rules(analysis) + self.extra_findings
-        fresh = [f for f in self.findings if self._reported.get(f.key, Severity.LOW - 1) < f.severity]
-        for f in fresh:
-            self._reported[f.key] = f.severity
-        if fresh:
-            self.reporter.findings(fresh, step)
+        findings = run_rules(analysis)
+        with self._lock:
+            self.diagnoses += 1
+            self.findings = findings + self.extra_findings
+            fresh = [f for f in self.findings if self._reported.get(f.key, Severity.LOW - 1) < f.severity]
+            for f in fresh:
+                self._reported[f.key] = f.severity
+            if fresh:
+                self.reporter.findings(fresh, step)
         if self.metrics_sink is not None:
-            summary = summary_of(analysis, self.findings)
-            self.metrics_sink(metrics(summary.to_dict(), self.findings), int(arrays.steps[-1]))
+            self._metrics.append((metrics(analysis, self.findings), int(arrays.steps[-1])))
 
     # -- helpers ------------------------------------------------------------------------------------------
     def _check_counts(self, headers: np.ndarray, gather: int) -> None:
@@ -136,26 +192,36 @@ class LiveDiagnosis:
             self.replica_checks.append(check)
             self.reporter.writer.event("replica_check", step=check.step, checksums=list(check.checksums))
 
-    def _remember(self, rows: np.ndarray) -> None:
-        world = max(1, len(np.unique(rows[:, 0]))) if rows.size else 1
+    def _remember(self, rows: np.ndarray, world: int) -> None:
+        self._world = world
+        limit = max(1, min(LIVE_STEPS, LIVE_CELLS // world))
         self._recent.append(rows)
         self._recent_steps += rows.shape[0] // world
-        while len(self._recent) > 1 and self._recent_steps - self._recent[0].shape[0] // world >= LIVE_STEPS:
+        while len(self._recent) > 1 and self._recent_steps - self._recent[0].shape[0] // world >= limit:
             self._recent_steps -= self._recent.popleft().shape[0] // world
 
 
-def metrics(summary: dict[str, Any], findings: list[Finding]) -> dict[str, float]:
-    """The scalars logged at each live diagnosis (Lightning's loggers, `accelerator.log`)."""
-    timing = summary.get("timing", {})
-    phases = timing.get("phases", {})
-    dist_ = summary.get("distributed", {})
-    efficiency = summary.get("efficiency", {})
+def _rank_after_rank(window: list[np.ndarray], world: int) -> np.ndarray:
+    """The window's rows, each rank's steps of every gather together, when each gather holds whole ranks in
+    rank order: the order `RunArrays.from_rows` turns into arrays fastest (any order gives the same arrays)."""
+    if len(window) == 1:
+        return window[0]
+    if all(rows.shape[0] % world == 0 for rows in window):
+        width = window[0].shape[1]
+        return np.concatenate([rows.reshape(world, -1, width) for rows in window], axis=1).reshape(-1, width)
+    return np.concatenate(window)
+
+
+def metrics(analysis: RunAnalysis, findings: list[Finding]) -> dict[str, float]:
+    """The scalars logged at each live diagnosis (Lightning's loggers, `accelerator.log`): the summary's
+    numbers, read from the analysis itself (building the summary's per-rank tree costs 0.4 s at 16k ranks)."""
+    shares = {p.name: p.share for p in analysis.timing.phases}
     out = {
-        "pytscope/step_ms": timing.get("median_ms"),
-        "pytscope/comm_share": phases.get("comm", {}).get("share"),
-        "pytscope/data_share": phases.get("data", {}).get("share"),
-        "pytscope/lost_to_imbalance": dist_.get("lost_to_imbalance"),
-        "pytscope/mfu": efficiency.get("mfu"),
+        "pytscope/step_ms": analysis.timing.median_ms,
+        "pytscope/comm_share": shares.get("comm"),
+        "pytscope/data_share": shares.get("data"),
+        "pytscope/lost_to_imbalance": analysis.distributed.lost_to_imbalance,
+        "pytscope/mfu": analysis.efficiency.mfu,
         "pytscope/findings_high": sum(f.severity == Severity.HIGH for f in findings),
         "pytscope/findings_med": sum(f.severity == Severity.MED for f in findings),
     }

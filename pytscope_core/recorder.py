@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from .batches import resolve_fingerprints
 from .clocks import Clock, HostClock
 from .records import COL, NCOLS, PHASE_COLS
 from .timeline import Mark, attribute_many
@@ -42,6 +43,7 @@ class ClosedStep(NamedTuple):
     mem: float
     syncs: int
     micro: int
+    fingerprint: Any  # batches.fingerprint of the step's first batch, or None
 
 
 class StepRecorder:
@@ -83,6 +85,7 @@ class StepRecorder:
         self._step_syncs = 0
         self._step_micro = 0
         self._label: int | None = None
+        self._fingerprint: Any = None
 
     # -- hot path -------------------------------------------------------------------------------------
     def mark(self, mark: int) -> None:
@@ -123,6 +126,14 @@ class StepRecorder:
 
     def set_loss(self, loss: Any) -> None:
         self._loss = loss
+
+    @property
+    def wants_fingerprint(self) -> bool:
+        """Every 8th step (the same steps on every rank), the first batch of the step is fingerprinted."""
+        return self._fingerprint is None and self._open and self.steps_done & 7 == 0
+
+    def set_fingerprint(self, fingerprint: Any) -> None:
+        self._fingerprint = fingerprint
 
     def label_step(self, label: int) -> None:
         """The framework's own number for the open step (e.g. Lightning's `global_step`), when it does not
@@ -205,6 +216,7 @@ class StepRecorder:
         self._step_syncs = 0
         self._step_micro = 0
         self._label = None
+        self._fingerprint = None
 
     def _close_step(self) -> None:
         self._marks.append(_STEP_END)
@@ -229,6 +241,7 @@ class StepRecorder:
             self._last_memory,
             self._step_syncs,
             self._step_micro,
+            self._fingerprint,
         )
 
     def _stepped_snapshot(self) -> ClosedStep | None:
@@ -281,6 +294,7 @@ class StepRecorder:
         rows[:, COL["excluded_ms"]] = timed[:, len(PHASE_COLS)]
         rows[:, COL["wall_ms"]] = timed[:, len(PHASE_COLS) + 1]
         rows[:, COL["loss"]] = _losses_to_floats([w.loss for w in window])
+        rows[:, COL["batch_fp"]] = resolve_fingerprints([w.fingerprint for w in window])
         rows[:, [COL["samples"], COL["mem_bytes"], COL["grad_syncs"], COL["micro_batches"]]] = meta[:, 2:]
         return rows
 

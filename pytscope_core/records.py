@@ -28,6 +28,7 @@ COLUMNS: tuple[str, ...] = (
     "mem_bytes",  # peak memory in the step (CUDA allocator peak, else process RSS)
     "grad_syncs",  # gradient synchronisations (DDP all-reduce rounds) completed in this step
     "micro_batches",  # forward passes in the step (gradient-accumulation window)
+    "batch_fp",  # a 48-bit hash of the step's first batch (batches.py), every 8th step; NaN otherwise
 )
 COL = {name: i for i, name in enumerate(COLUMNS)}
 NCOLS = len(COLUMNS)

@@ -78,6 +78,8 @@ def render_run(summary: Summary) -> RenderableType:
         "steps", f"{r.steps}" + (f" ({r.first_step}-{r.last_step})" if r.first_step is not None else "")
     )
     table.add_row("restarts", str(r.restarts))
+    if r.parallelism:
+        table.add_row("parallelism", r.parallelism + (f": {r.comm_note}" if r.comm_note else ""))
     for end in r.rank_ends:
         where = f"end at step {end.last_step}" if end.last_step is not None else "have no record"
         table.add_row(f"rank {end.rank}", f"records {where}: {end.reason}")
@@ -107,6 +109,9 @@ def render_timing(summary: Summary) -> RenderableType:
     table.add_column("")
     pcts = percentages([p.share for p in t.phases])
     for p, pct in zip(t.phases, pcts, strict=False):
+        if p.name == "comm" and not summary.run.comm_measured:
+            table.add_row(p.name, "not measured", "", "")
+            continue
         bar = "█" * round(pct / 100 * BAR_WIDTH)
         table.add_row(p.name, f"{pct:.1f}%", _num(p.median_ms), bar)
     return Group(_section("Step-time breakdown"), head, table)
@@ -138,6 +143,8 @@ def render_convergence(summary: Summary) -> RenderableType:
 
 def render_distributed(summary: Summary) -> RenderableType:
     d = summary.distributed
+    if not d.comm_measured:
+        return Group(_section("Distributed"), Text(d.note or "communication not measured"))
     head = Text(
         f"transfer {_num(d.transfer_ms)} ms/step ({100 * d.transfer_share:.1f}% of wall), sync wait "
         f"{100 * d.sync_wait_share:.1f}%, lost to imbalance {100 * d.lost_to_imbalance:.1f}% "
@@ -151,12 +158,17 @@ def render_distributed(summary: Summary) -> RenderableType:
         )
         rows = by_local[:8] + by_local[-4:]
         omitted = len(d.per_rank) - len(rows)
+    # Grouped by node: a host column, rows sorted by host then rank (where the run recorded hosts).
+    place = {r.rank: (h, lr) for r, h, lr in zip(d.per_rank, d.hosts, d.local_ranks, strict=False)}
+    rows.sort(key=lambda r: (place[r.rank][0], r.rank) if place else ("", r.rank))
     table = Table(box=None, pad_edge=False)
-    for name in ("rank", "local ms", "comm ms", "sync wait ms", "critical path", ""):
-        table.add_column(name, justify="left" if name in ("", "rank") else "right")
+    names = ("host", "rank", "local rank") if place else ("rank",)
+    for name in (*names, "local ms", "comm ms", "sync wait ms", "critical path", ""):
+        table.add_column(name, justify="left" if name in ("", "rank", "host") else "right")
     for r in rows:
+        where = (place[r.rank][0], str(r.rank), str(place[r.rank][1])) if place else (str(r.rank),)
         table.add_row(
-            str(r.rank),
+            *where,
             _num(r.local_ms),
             _num(r.comm_ms),
             _num(r.sync_wait_ms),
@@ -177,6 +189,9 @@ def render_efficiency(summary: Summary) -> RenderableType:
     table.add_column("ms/step", justify="right")
     table.add_column("recoverable")
     for line, pct in zip(e.budget, percentages([x.share for x in e.budget]), strict=False):
+        if not line.measured:
+            table.add_row(line.name, "not measured", "", "")
+            continue
         table.add_row(line.name, f"{pct:.1f}%", _num(line.ms_per_step), "yes" if line.recoverable else "")
     mfu = "n/a" if e.mfu is None else f"{100 * e.mfu:.1f}%"
     return Group(

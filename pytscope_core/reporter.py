@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from .findings import Finding
+from .parallelism import comm_note
 from .rundir import RunWriter
 
 
@@ -28,6 +29,9 @@ class RunReporter:
         self.meta = meta
         self.writer = RunWriter(run_dir, meta)
         self.console: Any = Console(stderr=False) if console else None
+        note = comm_note(meta.get("parallelism"), meta.get("comm_measured") is not False)
+        if self.console is not None and note is not None:  # once, when the run starts
+            self.console.print(f"[bold]pytscope[/]: {note}", markup=True, highlight=False)
 
     def segment(self, **fields: Any) -> None:
         self.writer.event("segment", **fields)

@@ -83,7 +83,8 @@ class RunWriter:
     def append_rows(self, rows: np.ndarray) -> None:
         if rows.size:
             with self._lock:
-                self._steps.write(np.ascontiguousarray(rows, dtype="<f8").tobytes())
+                # A view, not a copy: one interval of 16,384 ranks is 112 MB.
+                self._steps.write(np.ascontiguousarray(rows, dtype="<f8").data)
                 self._steps.flush()
 
     def event(self, kind: str, **fields: Any) -> None:

@@ -31,6 +31,7 @@ from .findings import Finding
 from .flops import StepFlops
 from .hooks import TorchHooks
 from .options import ScopeOptions
+from .parallelism import UNWATCHED, current_world_size, detect
 from .recorder import StepRecorder
 from .session import RunSession
 
@@ -77,6 +78,7 @@ class Scope:
         self.resumed_from_step = 0
         self.summary: Any = None  # end-of-run Summary (rank 0)
         self.replicated_model: Any = None  # the data-parallel model whose replicas are compared at gathers
+        self.parallelism = UNWATCHED  # what the watched model is wrapped in (note_parallelism)
         self._clock = clock
         self._started = False
         self._finished = False
@@ -126,6 +128,7 @@ class Scope:
                 if self._clock is None and _on_cuda(model):
                     self.use_cuda_clock()
                 self.flops.note_model(model)
+                self.note_parallelism(model)
                 self.hooks.watch_model(model)
                 if self.hooks.is_ddp:
                     self.replicated_model = model
@@ -142,6 +145,10 @@ class Scope:
             atexit.register(self.finish)  # the summary still appears if the user forgets finish()
             self._atexit_registered = True
         return self
+
+    def note_parallelism(self, model: Any) -> None:
+        """Record what `model` is wrapped in (`parallelism.py`); integrations pass the framework's wrapper."""
+        self.parallelism = detect(model, current_world_size())
 
     def use_cuda_clock(self) -> None:
         """Time phases with CUDA events (execution, not launch), resolved lazily at each gather."""
@@ -246,6 +253,8 @@ class Scope:
             return
         self._started = True
         try:
+            if self.parallelism is UNWATCHED:  # measured only if there is no other rank
+                self.parallelism = detect(None, current_world_size())
             self.session = RunSession(self)
             self.run_dir = self.session.run_dir
         except Exception as exc:
@@ -258,7 +267,7 @@ class Scope:
         try:
             if not self._started:
                 self.start()
-                self.coordinator.schedule(syncs_seen=self.hooks.is_ddp)
+                self.coordinator.schedule(syncs_seen=self.hooks.is_ddp or self.hooks.sharded is not None)
             elif self.coordinator.due() and self.session is not None:
                 self.session.gather()
         except Exception as exc:

@@ -1,13 +1,16 @@
 """One segment of a run on this rank, from the moment the ranks first meet until finish.
 
-`Scope.start()` creates it (collectively): the `Coordinator` agrees on the run directory; on rank 0 the
-`RunReporter` opens it and `LiveDiagnosis` starts; every rank starts its hang `Watchdog` and chains SIGTERM.
-From then on the session gathers every `interval` steps, and at the end either meets the other ranks for a
-final gather (`finish`) or, when they may be gone, leaves its own rows behind (`stop`).
+`Scope.start()` creates it (collectively): the `Coordinator` agrees on the run directory and tells rank 0
+where every rank runs; on rank 0 the `RunReporter` opens it and `LiveDiagnosis` starts on its own ingest
+thread (`BackgroundIngest`); every rank starts its hang `Watchdog` and chains SIGTERM. From then on the
+session gathers every `interval` steps, and at the end either meets the other ranks for a final gather
+(`finish`) or, when they may be gone, leaves its own rows behind (`stop`); rank 0 drains its ingest thread
+before the summary reads the run.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -25,9 +28,12 @@ from .context import Segment
 from .coordinator import DISABLED_KEY, STORE_PREFIX, default_store, dist_alive
 from .findings import Finding
 from .signals import SigtermChain
+from .watchdog import AUTO_MIN_S, AUTO_STEP_FACTOR, Watchdog  # now: it binds the clocks before user code
 
 if TYPE_CHECKING:
     from .scope import Scope
+
+HANG_DRAIN_S = 5.0  # on a hang or SIGTERM, how long rank 0 waits for its ingest thread to write what it holds
 
 
 class RunSession:
@@ -39,20 +45,22 @@ class RunSession:
         self.rank = scope.coordinator.rank
         self.reporter: Any = None
         self.live: Any = None
+        self.ingest: Any = None  # rank 0: ingest.BackgroundIngest
         self.gather_ms: list[float] = []  # each gather: resolving the window and the exchange, every rank
-        self.ingest_ms: list[float] = []  # rank 0 after each gather: writing the run, live diagnosis
+        self.traffic: list[tuple[int, int]] = []  # each gather: payload bytes (sent, received) on this rank
         self._epoch_offset = time.time() - time.perf_counter()  # host perf_counter -> seconds since epoch
         if self.rank == 0:
             self._open_run()
         self._watchdog: Any = None
         self._flushed = threading.Event()  # this rank's own rows are written at most once
-        self._sigterm = SigtermChain(lambda: self.flush_own_rows("SIGTERM"))
+        self._sigterm = SigtermChain(self._on_sigterm)
         self._sigterm.install()
         if scope.options.hang_timeout is not None:
             self._start_watchdog()
 
     def _open_run(self) -> None:
         from . import analysis, render, summary  # noqa: F401  (imported now, not in the middle of a step)
+        from .ingest import BackgroundIngest
         from .live import LiveDiagnosis
         from .reporter import RunReporter
 
@@ -69,6 +77,10 @@ class RunSession:
         self.live = LiveDiagnosis(
             self.reporter, segment, scope.options.warmup, scope.errors, scope.metrics_sink
         )
+        placement = scope.coordinator.placement
+        if placement.known:  # every launch: a resumed run may land on other hosts
+            self.reporter.learnt(**placement.to_meta())
+        self.ingest = BackgroundIngest(self.live, threaded=scope.coordinator.world_size > 1)
         for message in scope.errors:  # errors before the run existed (e.g. in watch())
             self.reporter.error(message)
         if scope.flops.learnt:
@@ -100,6 +112,8 @@ class RunSession:
             "peak_precision": None if options.peak_flops else precision,
             "flops_per_step": options.flops_per_step,
             "flops_estimated": False,
+            "parallelism": scope.parallelism.name,
+            "comm_measured": scope.parallelism.comm_measured,
             "host": socket.gethostname(),
             "torch": torch.__version__,
             "pytscope": __version__,
@@ -108,7 +122,6 @@ class RunSession:
 
     # -- hangs ----------------------------------------------------------------------------------------
     def _start_watchdog(self) -> None:
-        from .watchdog import Watchdog
 
         coordinator = self.scope.coordinator
         self._watchdog = Watchdog(
@@ -123,12 +136,12 @@ class RunSession:
             prefix=f"{STORE_PREFIX}/{self.scope.segment}",
             disabled_key=DISABLED_KEY,
             flush=self.flush_own_rows,
+            placement=coordinator.placement if self.rank == 0 else None,
         )
         self._watchdog.start()
 
     def _hang_timeout_s(self) -> float | None:
         """The fixed timeout, or "auto": after warm-up, the larger of 2 minutes and 20x the slowest step seen."""
-        from .watchdog import AUTO_MIN_S, AUTO_STEP_FACTOR
 
         scope = self.scope
         timeout = scope.options.hang_timeout
@@ -139,13 +152,20 @@ class RunSession:
         return max(AUTO_MIN_S, AUTO_STEP_FACTOR * self._watchdog.slowest_step_s)
 
     def _report_hang(self, finding: Finding) -> None:
-        """Called from rank 0's watchdog thread while the main thread is blocked."""
+        """Called from rank 0's watchdog thread while the main thread is blocked: the gathers already handed to
+        the ingest thread are written before the process may end."""
         if self.live is not None:
             self.live.hang(finding, self.scope.step_label())
+            self.ingest.drain(HANG_DRAIN_S)
 
     def stop_watching(self) -> None:
         if self._watchdog is not None:
             self._watchdog.stop()
+
+    def _on_sigterm(self) -> None:
+        if self.ingest is not None:  # rank 0: what the other ranks sent is written before the process ends
+            self.ingest.drain(HANG_DRAIN_S)
+        self.flush_own_rows("SIGTERM")
 
     def flush_own_rows(self, reason: str) -> None:
         """This rank's closed steps that no gather took yet, into its own file in the run directory, so the
@@ -174,14 +194,18 @@ class RunSession:
         finally:
             if self._watchdog is not None:
                 self._watchdog.status = "finished" if final else ""
-        t1 = time.perf_counter()
-        self.gather_ms.append((t1 - t0) * 1e3)
-        if self.live is not None:
-            self.reporter.writer.scalars(scope.take_scalars())
-            if scope.flops.learnt:  # e.g. the FLOPs counted on a warm-up step
-                self.reporter.learnt(**scope.flops.take_learnt())
-            self.live.ingest(ex.headers, ex.rows, scope.coordinator.gathers, scope.step_label(), final)
-            self.ingest_ms.append((time.perf_counter() - t1) * 1e3)
+        self.gather_ms.append((time.perf_counter() - t0) * 1e3)
+        gatherer = scope.coordinator.gatherer
+        if gatherer is not None:
+            self.traffic.append((gatherer.traffic.sent, gatherer.traffic.received))
+        if self.live is not None and ex is not None:
+            from .ingest import Gathered
+
+            self.live.publish_metrics()  # of diagnoses since the last gather, on this (the training) thread
+            # What rank 0 learnt since the last gather (e.g. FLOPs counted in warm-up) goes with the rows.
+            learnt = scope.flops.take_learnt() if scope.flops.learnt else None
+            gathers, step, scalars = scope.coordinator.gathers, scope.step_label(), scope.take_scalars()
+            self.ingest.submit(Gathered(ex.headers, ex.rows, gathers, step, final, scalars, learnt))
 
     def _checksum(self) -> float:
         """A cheap fingerprint of the replicated parameters; DDP replicas must agree bit for bit."""
@@ -227,20 +251,40 @@ class RunSession:
     def report(self) -> Any:
         if self.reporter is None:
             return None
+        self._close_ingest()
         if self.scope.flops.learnt:
             self.reporter.learnt(**self.scope.flops.take_learnt())
         for message in self.scope.errors:
             self.reporter.error(message)
+        gatherer = self.scope.coordinator.gatherer
         self.reporter.cost(
             gathers=self.scope.coordinator.gathers,
             gather_ms=_quantiles(self.gather_ms),
-            ingest_ms=_quantiles(self.ingest_ms),
+            ingest_ms=_quantiles(self.ingest.ingest_ms),  # on rank 0's ingest thread
+            handoff_ms=_quantiles(self.ingest.handoff_ms),  # on rank 0's training thread
+            diagnoses=self.live.diagnoses,
+            diagnoses_skipped=self.ingest.skipped,
+            group_create_ms=gatherer.create_ms if gatherer is not None else None,
+            bytes_received=_quantiles([float(r) for _, r in self.traffic]),  # rank 0's, per gather
         )
         return self.reporter.summary()
+
+    def _close_ingest(self) -> None:
+        """Every gather handed over is written (and its diagnosis published) before the summary reads the run."""
+        if not self.ingest.close():
+            self.scope.note_error("the live diagnosis did not finish in time; the summary may miss a gather")
+        try:
+            self.ingest.raise_error()
+        except RuntimeError as exc:
+            self.scope.note_error(str(exc))
+        with contextlib.suppress(Exception):  # a logger failing at the end must not cost the summary
+            self.live.publish_metrics()
 
     def release(self) -> None:
         self.stop_watching()
         self._sigterm.restore()
+        if self.ingest is not None:
+            self.ingest.close(timeout_s=HANG_DRAIN_S)
         if self.reporter is not None:
             self.reporter.close()
 

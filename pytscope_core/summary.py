@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .analysis.convergence import Convergence
+from .analysis.data import DuplicateShards
 from .analysis.distributed import DistributedTiming
 from .analysis.efficiency import Efficiency
 from .analysis.memory import MemoryStats
@@ -20,6 +21,7 @@ from .analysis.timing import StepTiming, few_steps_note
 from .arrays import RunArrays
 from .context import RunContext
 from .findings import Finding
+from .parallelism import comm_note
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,12 @@ class RunInfo:
     device: str
     restarts: int  # segments - 1: each resume from a checkpoint starts a new segment
     rank_ends: tuple[RankEnd, ...] = ()  # ranks whose records end early, and why
+    parallelism: str | None = None  # what the model was wrapped in: ddp, fsdp2, fsdp1, deepspeed ...
+    comm_measured: bool = True  # False: communication hides in compute (see `comm_note`)
+
+    @property
+    def comm_note(self) -> str | None:
+        return comm_note(self.parallelism, self.comm_measured)
 
 
 @dataclass(frozen=True)
@@ -41,6 +49,7 @@ class Summary:
     convergence: Convergence
     efficiency: Efficiency
     memory: MemoryStats
+    duplicates: DuplicateShards
     findings: tuple[Finding, ...]
     scope_errors: tuple[str, ...]
 
@@ -57,6 +66,9 @@ class Summary:
                 "last_step": self.run.last_step,
                 "device": self.run.device,
                 "restarts": self.run.restarts,
+                "parallelism": self.run.parallelism,
+                "comm_measured": self.run.comm_measured,
+                "comm_note": self.run.comm_note,
                 "rank_ends": [
                     {"rank": e.rank, "last_step": e.last_step, "reason": e.reason} for e in self.run.rank_ends
                 ],
@@ -90,7 +102,12 @@ class Summary:
                 "median_ms": self.timing.median_ms,
                 "p95_ms": self.timing.p95_ms,
                 "mean_ms": self.timing.mean_ms,
-                "phases": {p.name: {"share": p.share, "median_ms": p.median_ms} for p in self.timing.phases},
+                "phases": {
+                    p.name: {"share": p.share, "median_ms": p.median_ms}
+                    if p.name != "comm" or self.run.comm_measured
+                    else {"share": None, "median_ms": None, "measured": False}
+                    for p in self.timing.phases
+                },
             },
             "distributed": {
                 "per_rank": [
@@ -104,8 +121,10 @@ class Summary:
                         "excess": r.excess,
                         "slower_share": r.slower_share,
                         "straggler": r.straggler,
+                        "host": d.hosts[i] if d.hosts else None,
+                        "local_rank": d.local_ranks[i] if d.local_ranks else None,
                     }
-                    for r in d.per_rank
+                    for i, r in enumerate(d.per_rank)
                 ],
                 "stragglers": list(d.stragglers),
                 "transfer_ms": d.transfer_ms,
@@ -114,6 +133,8 @@ class Summary:
                 "lost_to_imbalance": d.lost_to_imbalance,
                 "lost_ms_per_step": d.lost_ms_per_step,
                 "split_is_estimate": d.split_is_estimate,
+                "comm_measured": d.comm_measured,
+                "note": d.note,
             },
             "convergence": {
                 "trend": c.trend.trend,
@@ -132,11 +153,17 @@ class Summary:
                         "share": x.share,
                         "ms_per_step": x.ms_per_step,
                         "recoverable": x.recoverable,
+                        "measured": x.measured,
                     }
                     for x in self.efficiency.budget
                 ],
                 "recoverable_share": self.efficiency.recoverable_share,
                 "mfu": self.efficiency.mfu,
+            },
+            "data": {
+                "steps_checked": self.duplicates.steps_checked,
+                "duplicated_share": self.duplicates.duplicated_share,
+                "identical_batch_groups": [list(g) for g in self.duplicates.groups],
             },
             "memory": {
                 "peak_bytes": m.peak_bytes,
@@ -172,12 +199,15 @@ def summary_of(analysis: RunAnalysis, findings: list[Finding]) -> Summary:
             device=ctx.device,
             restarts=max(len(analysis.efficiency.goodput.segments) - 1, 0),
             rank_ends=analysis.rank_ends,
+            parallelism=ctx.parallelism,
+            comm_measured=ctx.comm_measured,
         ),
         timing=analysis.timing,
         distributed=analysis.distributed,
         convergence=analysis.convergence,
         efficiency=analysis.efficiency,
         memory=analysis.memory,
+        duplicates=analysis.duplicates,
         findings=tuple(findings),
         scope_errors=tuple(ctx.scope_errors),
     )

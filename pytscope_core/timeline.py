@@ -29,6 +29,8 @@ class Mark(enum.IntEnum):
     PAUSE_BEGIN = 10  # validation, checkpointing, epoch ends: not charged to the step
     PAUSE_END = 11
     STEP_END = 12  # next loop top
+    COMM_BEGIN = 13  # a collective's wait starts inside another phase (FSDP's all-gathers, reduce-scatters)
+    COMM_END = 14  # ...and ends: the enclosing phase (forward, backward) resumes
 
 
 DATA, FORWARD, BACKWARD, COMM, OPTIMIZER, OTHER = range(len(PHASES))
@@ -47,6 +49,8 @@ _TRANSITIONS: dict[int, tuple[int | None, int | None]] = {
     Mark.OPTIMIZER_END: (None, OPTIMIZER),
     Mark.PAUSE_BEGIN: (EXCLUDED, None),
     Mark.PAUSE_END: (None, EXCLUDED),
+    Mark.COMM_BEGIN: (COMM, None),  # nested: the innermost open phase wins, so the wait is comm, not forward
+    Mark.COMM_END: (None, COMM),
 }
 
 

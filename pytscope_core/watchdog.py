@@ -2,7 +2,10 @@
 
 Each rank's thread publishes (step, phase, seconds without progress, gradient syncs) to the key-value store
 torch.distributed already has, whatever its main thread is doing — blocked in an all-reduce included.
-Progress means a new timeline mark. When no rank has progressed for `hang_timeout` seconds, rank 0 splits
+Progress means a new timeline mark. The beat period grows with the world size (`beat_period`), so the
+writes to the store stay bounded per second at any scale; rank 0 reads the other ranks' heartbeats (in one
+`multi_get`) only while it has itself made no progress for `hang_timeout`, since until then there is no hang.
+When no rank has progressed for `hang_timeout` seconds, rank 0 splits
 the ranks into those waiting in the gradient all-reduce and those that never reached it, writes DIST.HANG,
 and raises a flag in the store; every rank then dumps all its threads' Python stacks into the run
 directory and, with on_hang="abort", exits non-zero so the launcher can restart the job in minutes
@@ -23,6 +26,7 @@ from typing import Any
 
 from .coordinator import STORE_ERRORS
 from .findings import Finding, Severity, format_ranks
+from .placement import Placement
 from .recorder import StepRecorder
 from .timeline import Mark
 
@@ -31,14 +35,20 @@ _monotonic = time.monotonic
 _wall = time.time
 
 HANG_EXIT_CODE = 86
-BEAT_S = 1.0  # heartbeat period: hang detection resolves to about this
+BEAT_S = 1.0  # shortest heartbeat period: hang detection resolves to about this on small jobs
+STORE_BEATS_PER_S = 1000.0
+"""All ranks' heartbeats together write at most this many keys per second (and rank 0 reads as many): a
+TCPStore serves tens of thousands of small requests per second, and the job's own rendezvous shares it."""
+BEATS_PER_TIMEOUT = 4.0
+"""...but every rank beats at least this often per hang_timeout, so a hang is named at most about a quarter
+of the timeout late, whatever the world size."""
 STOP_WAIT_S = 5.0  # at finish, how long to wait for a store call in flight before leaving the thread
 AUTO_MIN_S = 120.0  # "auto" timeout floor: startup, compilation and first checkpoints stay clear of it
 AUTO_STEP_FACTOR = 20.0  # "auto" timeout: this many times the slowest step seen after warm-up
 PAUSE_FACTOR = 4.0  # a rank paused (validation, checkpoint) gets this many timeouts before it counts as stuck
 DUMP_WAIT_S = 5.0  # how long the aborting ranks wait for the others' stack dumps
 
-WAITING_PHASES = ("comm", "gather")  # blocked in a collective, waiting for peers
+WAITING_PHASES = ("comm", "gather", "collective")  # blocked in a collective, waiting for peers
 _PHASE_OF_MARK = {
     Mark.STEP_START: "data",
     Mark.DATA_BEGIN: "data",
@@ -53,51 +63,67 @@ _PHASE_OF_MARK = {
     Mark.PAUSE_BEGIN: "paused",
     Mark.PAUSE_END: "after a pause",
     Mark.STEP_END: "data",
+    Mark.COMM_BEGIN: "collective",  # FSDP's all-gather or reduce-scatter inside forward or backward
+    Mark.COMM_END: "forward or backward (between collectives)",
 }
 
 
-def classify_hang(beats: dict[int, dict[str, Any]], world_size: int, timeout_s: float) -> Finding | None:
+def beat_period(world_size: int, timeout_s: float | None) -> float:
+    """Seconds between heartbeats: BEAT_S, longer on large jobs (world_size / STORE_BEATS_PER_S), never
+    longer than hang_timeout / BEATS_PER_TIMEOUT."""
+    period = max(BEAT_S, world_size / STORE_BEATS_PER_S)
+    if timeout_s is not None:
+        period = min(period, max(BEAT_S, timeout_s / BEATS_PER_TIMEOUT))
+    return period
+
+
+def classify_hang(
+    beats: dict[int, dict[str, Any]],
+    world_size: int,
+    timeout_s: float,
+    placement: Placement | None = None,
+) -> Finding | None:
     """DIST.HANG from every rank's latest heartbeat, or None while any rank still progresses.
 
     A heartbeat: {"step", "phase", "idle_s" (seconds without progress, as of publishing), "age_s" (how old
     the heartbeat is), "syncs"}. A rank without a heartbeat, or whose heartbeat went stale, is missing.
+    With a `placement`, ranks are named with their host and local rank.
     """
+    place = placement or Placement()
     idle = {}
     for r in range(world_size):
         b = beats.get(r)
-        idle[r] = float("inf") if b is None else float(b["idle_s"]) + float(b.get("age_s", 0.0))
-        limit = timeout_s * (PAUSE_FACTOR if b is not None and b["phase"] == "paused" else 1.0)
-        if idle[r] < limit:
+        idle[r] = float("inf") if b is None else _idle(b)
+        if b is not None and progressing(b, timeout_s):
             return None  # someone is still making progress: slow, not hung
     waiting = sorted(r for r, b in beats.items() if b["phase"] in WAITING_PHASES)
     missing = sorted(r for r in range(world_size) if r not in waiting)
-    where = {r: _where(beats.get(r)) for r in range(world_size)}
+    allreduce = _waited_in(beats, waiting)
     if waiting and missing:
         syncs = max(int(beats[r]["syncs"]) for r in waiting) + 1
         step = max(_label(beats[r]) for r in waiting)
-        title = f"rank{'s' if len(missing) > 1 else ''} {format_ranks(missing)} never reached gradient all-reduce #{syncs}"
+        title = (
+            f"rank{'s' if len(missing) > 1 else ''} {format_ranks(missing)}{_on_hosts(missing, place)} never "
+            f"reached {allreduce.removeprefix('the ')} #{syncs}"
+        )
         detail = (
             f"At step {step}, rank{'s' if len(waiting) > 1 else ''} {format_ranks(waiting)} "
-            f"{'have' if len(waiting) > 1 else 'has'} been waiting in backward for the gradient all-reduce for "
-            f"{min(idle[r] for r in waiting):.0f} s; "
-            + "; ".join(f"rank {r} {where[r]}" for r in missing)
-            + "."
+            f"{'have' if len(waiting) > 1 else 'has'} been waiting in {'backward for ' * allreduce.endswith('all-reduce')}{allreduce} for "
+            f"{min(idle[r] for r in waiting):.0f} s; " + _whereabouts(missing, beats, place) + "."
         )
         ranks = missing
     elif waiting:
         detail = (
-            f"Every rank has waited in the gradient all-reduce for {min(idle.values()):.0f} s: "
+            f"Every rank has waited in {allreduce} for {min(idle.values()):.0f} s: "
             "the collective itself is stuck (network, NCCL/gloo, a peer outside this job)."
         )
         title, ranks, step = (
-            "all ranks stuck inside the gradient all-reduce",
+            f"all ranks stuck inside {allreduce}",
             [],
             max(_label(b) for b in beats.values()),
         )
     else:
-        detail = (
-            "No rank has progressed: " + "; ".join(f"rank {r} {where[r]}" for r in range(world_size)) + "."
-        )
+        detail = "No rank has progressed: " + _whereabouts(list(range(world_size)), beats, place) + "."
         title, ranks, step = (
             "no rank is making progress",
             list(range(world_size)),
@@ -116,6 +142,44 @@ def classify_hang(beats: dict[int, dict[str, Any]], world_size: int, timeout_s: 
         steps=(step,),
         evidence={f"idle_s_rank{r}": idle[r] for r in range(min(world_size, 16)) if idle[r] != float("inf")},
     )
+
+
+def _idle(beat: dict[str, Any]) -> float:
+    return float(beat["idle_s"]) + float(beat.get("age_s", 0.0))
+
+
+def progressing(beat: dict[str, Any], timeout_s: float) -> bool:
+    """Whether the rank of this heartbeat progressed within the timeout (a paused rank gets PAUSE_FACTOR
+    timeouts)."""
+    return _idle(beat) < timeout_s * (PAUSE_FACTOR if beat["phase"] == "paused" else 1.0)
+
+
+WHEREABOUTS_LISTED = 8  # ranks whose whereabouts a hang finding spells out; the rest are counted
+
+
+def _whereabouts(ranks: list[int], beats: dict[int, dict[str, Any]], place: Placement) -> str:
+    """Where each of `ranks` is ("rank 3 on host h01, local rank 3 is at step 30 in `data` for 12 s"), the
+    first few only, and which whole hosts they make up."""
+    listed = "; ".join(f"{place.describe(r)} {_where(beats.get(r))}" for r in ranks[:WHEREABOUTS_LISTED])
+    if len(ranks) > WHEREABOUTS_LISTED:
+        listed += f"; and {len(ranks) - WHEREABOUTS_LISTED} more"
+    whole = place.whole_hosts(ranks)
+    if whole:
+        listed += f" (every rank of host{'s' if len(whole) > 1 else ''} {', '.join(whole)})"
+    return listed
+
+
+def _on_hosts(ranks: list[int], place: Placement) -> str:
+    hosts = {place.host(r) for r in ranks}
+    return f" on host {hosts.pop()}" if len(hosts) == 1 and None not in hosts else ""
+
+
+def _waited_in(beats: dict[int, dict[str, Any]], waiting: list[int]) -> str:
+    """The collective the waiting ranks are in: DDP's gradient all-reduce, or FSDP's collectives (inside
+    forward and backward, so "in backward" would be wrong)."""
+    if any(beats[r]["phase"] == "collective" for r in waiting):
+        return "the FSDP all-gather or reduce-scatter of gradient sync"
+    return "the gradient all-reduce"
 
 
 def _where(beat: dict[str, Any] | None) -> str:
@@ -165,6 +229,7 @@ class Watchdog(threading.Thread):
         prefix: str = "pytscope",
         disabled_key: str | None = None,
         flush: Callable[[str], None] | None = None,
+        placement: Placement | None = None,
     ) -> None:
         super().__init__(name="pytscope-watchdog", daemon=True)
         self.recorder = recorder
@@ -178,6 +243,8 @@ class Watchdog(threading.Thread):
         self.prefix = prefix
         self.disabled_key = disabled_key  # set in the store by a rank whose scope was disabled
         self.flush = flush  # writes this rank's ungathered rows into the run directory
+        self.placement = placement  # rank 0: every rank's host and local rank, named in DIST.HANG
+        self._present: set[int] = set()  # ranks whose heartbeat key exists (keys are never deleted)
         self.stopped = threading.Event()
         self.status = ""  # "gather", "finished" ... set by the scope around its own waits
         self._seen: tuple[int, int, int] = (-1, -1, -1)
@@ -194,8 +261,16 @@ class Watchdog(threading.Thread):
         if self.is_alive() and threading.current_thread() is not self:
             self.join(wait_s)
 
+    def period(self) -> float:
+        """Seconds until the next beat (and, on rank 0, the next check): see `beat_period`."""
+        try:
+            timeout = self.timeout_s()
+        except Exception:  # "auto" reads the recorder: never let that stop the heartbeat
+            timeout = None
+        return beat_period(self.world_size, timeout)
+
     def run(self) -> None:
-        while not self.stopped.wait(BEAT_S):
+        while not self.stopped.wait(self.period()):
             try:
                 self._beat()
                 if self._hang_flag():
@@ -254,14 +329,16 @@ class Watchdog(threading.Thread):
         if timeout is None:
             return None
         beats: dict[int, dict[str, Any]] = {0: {**self._local_beat, "age_s": 0.0}}
+        if progressing(beats[0], timeout):
+            return None  # rank 0 itself progresses, so no hang: nothing to read from the store
         if self.store is not None:
             now = _wall()
             keys = [f"{self.prefix}/hb/{r}" for r in range(1, self.world_size)]
-            for r, raw in read_beats(self.store, keys).items():
+            for r, raw in read_beats(self.store, keys, self._present).items():
                 b = json.loads(raw)
                 b["age_s"] = max(0.0, now - float(b["t"]))
                 beats[r + 1] = b
-        return classify_hang(beats, self.world_size, timeout)
+        return classify_hang(beats, self.world_size, timeout, self.placement)
 
     def _peer_disabled(self) -> bool:
         return (
@@ -298,12 +375,24 @@ class Watchdog(threading.Thread):
             time.sleep(0.1)
 
 
-def read_beats(store: Any, keys: list[str]) -> dict[int, bytes]:
-    """The heartbeats present under `keys`, by index: one round trip when all are there (`multi_get`),
-    else one check and one get per key."""
-    if keys and hasattr(store, "multi_get") and store.check(keys):
-        return dict(enumerate(store.multi_get(keys)))
-    return {i: store.get(k) for i, k in enumerate(keys) if store.check([k])}
+def read_beats(store: Any, keys: list[str], present: set[int] | None = None) -> dict[int, bytes]:
+    """The heartbeats present under `keys`, by index. Keys in `present` (indices seen before: heartbeats are
+    never deleted) are read in one `multi_get` without a check; the others in one check and one `multi_get`
+    when all of them are there, else one check and one get each. `present` is updated."""
+    present = set() if present is None else present
+    batched = hasattr(store, "multi_get")
+    seen = sorted(present)
+    out: dict[int, bytes] = {}
+    if seen:
+        values = store.multi_get([keys[i] for i in seen]) if batched else [store.get(keys[i]) for i in seen]
+        out.update(zip(seen, values, strict=True))
+    rest = [i for i in range(len(keys)) if i not in present]
+    if rest and batched and store.check([keys[i] for i in rest]):
+        out.update(zip(rest, store.multi_get([keys[i] for i in rest]), strict=True))
+    elif rest:
+        out.update({i: store.get(keys[i]) for i in rest if store.check([keys[i]])})
+    present.update(out)
+    return out
 
 
 def _say(rank: int, message: str) -> None:

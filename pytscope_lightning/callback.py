@@ -138,9 +138,7 @@ class ScopeCallback(Callback):
         self, scope: Scope, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Any
     ) -> None:
         # Lightning enters DDP's no_sync() for accumulation micro-batches: those backwards do not all-reduce.
-        scope.hooks.forward_done(
-            loss, grad_sync=self._ddp is not None and bool(self._ddp.require_backward_grad_sync)
-        )
+        scope.hooks.forward_done(loss, grad_sync=scope.hooks.grad_sync_expected(self._ddp))
 
     @_guarded
     def on_before_optimizer_step(
@@ -188,9 +186,11 @@ class ScopeCallback(Callback):
 
         if pl_module.device.type == "cuda":
             scope.use_cuda_clock()
+        model = trainer.strategy.model
+        scope.note_parallelism(model)  # DDP, FSDP2 (ModelParallelStrategy), FSDP1 (FSDPStrategy), DeepSpeed
         # No optimizer pre-hook: Lightning calls step(closure) before the forward even starts.
         scope.watch(optimizer=list(trainer.optimizers), optimizer_pre_hook=False, manual_data=True)
-        scope.watch_backward(pl_module)  # persistent gradient-ready hooks: nothing registered per step
+        scope.watch_backward(pl_module)  # gradient-ready hooks; under FSDP2 its units' all-gathers too
         scope.set_metrics_sink(functools.partial(_log_metrics, trainer))
         flops_per_batch = getattr(pl_module, "flops_per_batch", None)  # what ThroughputMonitor reads
         if (
@@ -199,16 +199,11 @@ class ScopeCallback(Callback):
             and flops_per_batch > 0
         ):
             scope.set_flops_per_step(float(flops_per_batch) * _batches_per_step(trainer, pl_module))
-        model = trainer.strategy.model
         if isinstance(model, torch.nn.parallel.DistributedDataParallel):
             self._ddp = model
             scope.watch_replicas(model)
-        elif trainer.world_size > 1:
-            rank_zero_warn(
-                f"pytscope: {type(trainer.strategy).__name__} is not DistributedDataParallel; data, forward, "
-                "backward and optimizer are recorded, but exposed gradient communication, gradient-sync counts "
-                "and the replica check are not measured for it."
-            )
+        if scope.parallelism.note is not None and trainer.world_size > 1:
+            rank_zero_warn(f"pytscope: {type(trainer.strategy).__name__}: {scope.parallelism.note}.")
 
     def _check_shards(self, scope: Scope, trainer: pl.Trainer) -> None:
         batches = trainer.num_training_batches

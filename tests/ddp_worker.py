@@ -44,12 +44,12 @@ def _main(rank: int, world: int, port: int, o: dict[str, Any]) -> None:
         on_hang=o.get("on_hang", "abort"),
     )
     scope.watch(ddp, opt)
-    gen = torch.Generator().manual_seed(rank)
+    # Each rank draws its own data, unless `same_data`: a loop without a DistributedSampler.
+    gen = torch.Generator().manual_seed(0 if o.get("same_data") else rank)
     teacher = torch.randn(32, 4, generator=torch.Generator().manual_seed(0))
     for step in range(1, o["steps"] + 1):
-        x = torch.randn(
-            512, 32, generator=gen
-        )  # compute-dominated steps: a few ms against ~0.3 ms of all-reduce
+        # Compute-dominated steps: a few ms against ~0.3 ms of all-reduce (more with a larger `batch`).
+        x = torch.randn(o.get("batch", 512), 32, generator=gen)
         y = (x @ teacher).argmax(1)
         slow = rank == world - 1
         if slow and o.get("spin_ms"):

@@ -61,20 +61,35 @@ def codes(summary: dict[str, Any]) -> list[str]:
 
 def test_busy_rank_is_the_only_straggler(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    launch("--straggler", "--steps", "150", "--interval", "25", "--run-dir", str(run_dir), "--no-console")
+    # A large injected effect (10 ms on a ~12 ms step): the test holds with another process on the cores.
+    launch(
+        "--straggler",
+        "--spin-ms",
+        "10",
+        "--steps",
+        "150",
+        "--interval",
+        "25",
+        "--run-dir",
+        str(run_dir),
+        "--no-console",
+    )
     s = report(run_dir)
     assert s["run"]["world_size"] == 2 and s["run"]["steps"] == 150
     assert s["distributed"]["stragglers"] == [1]
+    assert (
+        s["data"]["steps_checked"] >= 15 and s["data"]["duplicated_share"] == 0
+    )  # prepare() sharded the data
     straggler = [f for f in s["findings"] if f["code"] == "DIST.STRAGGLER"]
     assert [f["ranks"] for f in straggler] == [[1]]
     per_rank = {r["rank"]: r for r in s["distributed"]["per_rank"]}
     lag = per_rank[1]["local_ms"] - per_rank[0]["local_ms"]
-    assert lag > 2.0  # ~4 ms of busy-waiting per step on rank 1
+    assert lag > 4.0  # 10 ms of busy-waiting per step on rank 1 (less on shared cores)
     # The fast rank's wait for the straggler is billed as sync wait, not as transfer: the transfer estimate
     # is what the last rank to arrive pays. (Whether that transfer crosses DIST.COMM_BOUND's 20% depends on
     # how fast gloo is on the machine, so the test does not assert on that finding.)
     assert per_rank[0]["sync_wait_ms"] > 0.6 * lag, s["distributed"]
-    assert per_rank[1]["sync_wait_ms"] == pytest.approx(0.0, abs=0.05)
+    assert per_rank[1]["sync_wait_ms"] < 0.2 * per_rank[0]["sync_wait_ms"]  # the straggler waits least
     assert s["distributed"]["transfer_ms"] < per_rank[0]["comm_ms"] - 0.6 * lag
     shares = [p["share"] for p in s["timing"]["phases"].values()]
     assert sum(shares) == pytest.approx(1.0, abs=1e-6)
@@ -82,7 +97,18 @@ def test_busy_rank_is_the_only_straggler(tmp_path: Path) -> None:
 
 def test_kill_and_resume_continues_the_same_run(tmp_path: Path) -> None:
     run_dir, ckpt = tmp_path / "run", tmp_path / "ckpt"
-    common = ("--straggler", "--steps", "200", "--interval", "10", "--run-dir", str(run_dir), "--no-console")
+    common = (
+        "--straggler",
+        "--spin-ms",
+        "10",
+        "--steps",
+        "200",
+        "--interval",
+        "10",
+        "--run-dir",
+        str(run_dir),
+        "--no-console",
+    )
     killed = launch(*common, "--save-at", "100", "--kill-at", "130", "--checkpoint-dir", str(ckpt), ok=False)
     assert killed.returncode != 0
     assert (ckpt / "custom_checkpoint_0.pkl").exists()
@@ -244,3 +270,10 @@ def test_blocked_rank_is_reported_as_hang_and_the_job_ends(tmp_path: Path) -> No
     assert hang and hang[0]["ranks"] == [1] and hang[0]["steps"] == [30], hang
     assert "spin" in (run_dir / "stacks" / "rank1.txt").read_text()
     assert "Thread" in (run_dir / "stacks" / "rank0.txt").read_text()
+
+
+def test_an_unsharded_loader_is_named(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    launch("--same-data", "--steps", "40", "--interval", "20", "--run-dir", str(run_dir), "--no-console")
+    found = [f for f in report(run_dir)["findings"] if f["code"] == "DATA.DUPLICATE_SHARDS"]
+    assert found and found[0]["ranks"] == [0, 1]

@@ -321,3 +321,47 @@ def test_jitter_names_the_phase_that_grows_in_slow_steps():
     findings = diagnose(RunArrays.from_arrays(phases), RunContext(world_size=2))
     jitter = [f for f in findings if f.code == "TIMING.JITTER"]
     assert jitter and "`comm` grows the most" in jitter[0].detail
+
+
+# -- duplicate shards -----------------------------------------------------------------------------------------
+
+
+def fingerprinted(ranks: int, same_as: dict[int, int], steps: int = 200, seed: int = 0) -> RunArrays:
+    """Every 8th step fingerprinted; rank r's batch equals rank same_as[r]'s."""
+    rng = np.random.default_rng(seed)
+    fp = np.full((steps, ranks), np.nan)
+    fp[::8] = rng.integers(0, 2**48, size=(len(fp[::8]), ranks)).astype(np.float64)
+    for r, other in same_as.items():
+        fp[::8, r] = fp[::8, other]
+    base = make_run(steps, ranks, seed=seed)
+    return RunArrays.from_arrays(base.phases, batch_fp=fp)
+
+
+def test_ranks_on_identical_batches_are_named_with_the_compute_they_waste():
+    found = [
+        f
+        for f in diagnose(fingerprinted(4, {1: 0, 2: 0, 3: 0}), RunContext(world_size=4))
+        if f.code == "DATA.DUPLICATE_SHARDS"
+    ]
+    assert len(found) == 1 and found[0].ranks == (0, 1, 2, 3) and found[0].severity == Severity.HIGH
+    assert "3 of 4 ranks (1, 2, 3) repeat rank 0's data" in found[0].detail
+    assert found[0].evidence["duplicated_share"] == pytest.approx(0.75)
+
+
+def test_two_pairs_sharing_data_are_half_the_compute():
+    a = analyze(fingerprinted(4, {1: 0, 3: 2}), RunContext(world_size=4))
+    assert a.duplicates.duplicated_share == pytest.approx(0.5) and a.duplicates.groups == ((0, 1), (2, 3))
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_different_shards_are_never_called_duplicates(seed):
+    codes = {f.code for f in diagnose(fingerprinted(8, {}, seed=seed), RunContext(world_size=8))}
+    assert "DATA.DUPLICATE_SHARDS" not in codes
+
+
+def test_no_fingerprints_no_finding():
+    a = analyze(make_run(100, 2), RunContext(world_size=2))
+    assert a.duplicates.steps_checked == 0
+    assert "DATA.DUPLICATE_SHARDS" not in {
+        f.code for f in diagnose(make_run(100, 2), RunContext(world_size=2))
+    }

@@ -96,7 +96,20 @@ def test_single_device_fit_is_recorded_and_reported(tmp_path: Path) -> None:
 
 def test_ddp_straggler_is_the_only_one_named_and_its_wait_is_not_communication(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    _run(EXAMPLE, "--straggler", "--devices", 2, "--steps", 200, "--run-dir", run_dir, cwd=tmp_path)
+    # A large injected effect (10 ms on a ~12 ms step): the test holds with another process on the cores.
+    _run(
+        EXAMPLE,
+        "--straggler",
+        "--spin-ms",
+        10,
+        "--devices",
+        2,
+        "--steps",
+        200,
+        "--run-dir",
+        run_dir,
+        cwd=tmp_path,
+    )
     summary = _summary(run_dir)
     dist = summary["distributed"]
     assert dist["stragglers"] == [1]
@@ -105,9 +118,9 @@ def test_ddp_straggler_is_the_only_one_named_and_its_wait_is_not_communication(t
     wait = {r["rank"]: r["sync_wait_ms"] for r in dist["per_rank"]}
     print(f"local work per rank {local}, sync wait {wait}")
     lag = local[1] - local[0]
-    assert lag > 1.5  # ~4 ms injected; on 2 shared cores the gap is smaller than the cause
+    assert lag > 4.0  # 10 ms injected; on 2 shared cores the gap is smaller than the cause
     # The fast rank's wait for rank 1 is billed as sync wait, not as communication (see test_ddp).
-    assert wait[0] > 0.6 * lag and wait[1] < 1.0, dist
+    assert wait[0] > 0.6 * lag and wait[1] < 0.2 * wait[0], dist
     rows = read_rows(run_dir)
     assert set(rows[:, COL["rank"]].tolist()) == {0.0, 1.0}
     assert (rows[:, COL["grad_syncs"]] == 1).all()
@@ -124,11 +137,9 @@ def test_healthy_ddp_fit_has_no_high_or_med_finding(tmp_path: Path) -> None:
     summary = _summary(run_dir)
     assert summary["run"]["steps"] == 150 and summary["run"]["world_size"] == 2
     assert summary["distributed"]["stragglers"] == []
-    serious = _codes(summary, "HIGH", "MED")
-    if os.getloadavg()[0] > (os.cpu_count() or 1):
-        # Other jobs sharing this host's cores make step times unstable, which is what TIMING.JITTER
-        # reports; that is the host, not the fit. Every other rule must still stay quiet.
-        serious = [c for c in serious if c != "TIMING.JITTER"]
+    # Step-time jitter on two shared cores is the host, not the fit (as in test_ddp); every other rule
+    # must stay quiet, whatever else runs on the machine.
+    serious = [c for c in _codes(summary, "HIGH", "MED") if c != "TIMING.JITTER"]
     assert serious == [], summary["findings"]
     assert summary["convergence"]["trend"] == "improving"
 
@@ -360,3 +371,13 @@ def test_mfu_through_the_callback(
     assert summary["efficiency"]["mfu"] == pytest.approx(flops / (summary["timing"]["mean_ms"] / 1e3) / 1e10)
     logged = (csv / "metrics.csv").read_text()
     assert "pytscope/mfu" in logged.splitlines()[0]  # live metrics carry MFU to Lightning's loggers
+
+
+def test_ranks_without_a_distributed_sampler_are_named_and_own_shards_are_not(tmp_path: Path) -> None:
+    same, own = tmp_path / "same", tmp_path / "own"
+    _run(JOB, "--run-dir", same, "--devices", 2, "--steps", 40, "--interval", 20, "--same-data", cwd=tmp_path)
+    found = [f for f in _summary(same)["findings"] if f["code"] == "DATA.DUPLICATE_SHARDS"]
+    assert found and found[0]["ranks"] == [0, 1], _summary(same)["findings"]
+    # use_distributed_sampler=False with a shard per rank (the uneven-shards job): different data.
+    _run(JOB, "--run-dir", own, "--devices", 2, "--steps", 40, "--interval", 20, "--uneven", cwd=tmp_path)
+    assert "DATA.DUPLICATE_SHARDS" not in _codes(_summary(own))

@@ -5,6 +5,7 @@ import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
@@ -14,6 +15,14 @@ from pytscope_core.cli import main
 from pytscope_core.rundir import load_run
 from pytscope_core.summary import summarize
 from pytscope_core.watchdog import HANG_EXIT_CODE
+
+
+def run_job(tmp_path, script):
+    """Run `script` as a training process of its own (hang and signal paths end the process)."""
+    (tmp_path / "job.py").write_text(script)
+    return subprocess.run(
+        [sys.executable, str(tmp_path / "job.py")], capture_output=True, text=True, timeout=60
+    )
 
 
 def train(run_dir, epochs=2, steps_per_epoch=40, accumulate=1, **options):
@@ -125,10 +134,7 @@ def test_a_disabled_scope_never_calls_the_training_hung(tmp_path):
         scope.finish()
         print("trained", step)
     """)
-    (tmp_path / "job.py").write_text(script)
-    proc = subprocess.run(
-        [sys.executable, str(tmp_path / "job.py")], capture_output=True, text=True, timeout=60
-    )
+    proc = run_job(tmp_path, script)
     assert proc.returncode == 0, proc.stderr
     assert "trained" in proc.stdout and "scope disabled, training continues" in proc.stderr
 
@@ -146,10 +152,7 @@ def test_stuck_single_process_loop_is_reported_with_its_stack(tmp_path):
                     pass  # stuck
             model(torch.randn(2, 4)).sum().backward(); opt.step(); opt.zero_grad()
     """)
-    (tmp_path / "job.py").write_text(script)
-    proc = subprocess.run(
-        [sys.executable, str(tmp_path / "job.py")], capture_output=True, text=True, timeout=60
-    )
+    proc = run_job(tmp_path, script)
     assert proc.returncode == HANG_EXIT_CODE, proc.stderr
     hang = [
         f
@@ -291,10 +294,7 @@ def test_a_failing_hang_report_does_not_cancel_the_abort(tmp_path):
                     pass  # stuck
             model(torch.randn(2, 4)).sum().backward(); opt.step(); opt.zero_grad()
     """)
-    (tmp_path / "job.py").write_text(script)
-    proc = subprocess.run(
-        [sys.executable, str(tmp_path / "job.py")], capture_output=True, text=True, timeout=60
-    )
+    proc = run_job(tmp_path, script)
     assert proc.returncode == HANG_EXIT_CODE, proc.stderr
     assert "could not report the hang: OSError: disk full" in proc.stderr
     assert "while True" in (tmp_path / "stacks" / "rank0.txt").read_text()  # the dump still happened
@@ -308,7 +308,7 @@ def test_pending_rows_leave_the_recorder_as_it_was(tmp_path):
     before = list(rec.window)
     rows = rec.pending_rows(0, 0, 0.0)
     assert rows.shape[0] == len(before) > 0 and rec.window == before
-    assert rec.drain(0, 0, 0.0).tolist() == rows.tolist()
+    np.testing.assert_array_equal(rec.drain(0, 0, 0.0), rows)  # NaN where nothing was recorded
     scope.finish()
 
 
@@ -324,10 +324,7 @@ def test_sigterm_leaves_the_ungathered_steps_behind_and_still_ends_the_process(t
                 os.kill(os.getpid(), signal.SIGTERM)  # a launcher ending the job
             model(torch.randn(2, 4)).sum().backward(); opt.step(); opt.zero_grad()
     """)
-    (tmp_path / "job.py").write_text(script)
-    proc = subprocess.run(
-        [sys.executable, str(tmp_path / "job.py")], capture_output=True, text=True, timeout=60
-    )
+    proc = run_job(tmp_path, script)
     assert proc.returncode == -15, proc.stderr  # SIGTERM still does what it did: the default ends the process
     run = load_run(tmp_path)
     # Gathered up to 50, then 51-79 from its own file: step 79 finished its optimizer step before the signal.
@@ -351,3 +348,23 @@ def test_the_peak_follows_autocast_in_a_plain_loop(tmp_path):
     scope.finish()
     assert json.loads((tmp_path / "meta.json").read_text())["peak_precision"] == "bf16"
     assert scope.flops.precision == "bf16"
+
+
+def test_user_code_that_mocks_the_clock_does_not_blind_the_watchdog(tmp_path):
+    # Tests and libraries patch time.monotonic (Lightning's own test suite does); the watchdog keeps its own.
+    script = textwrap.dedent(f"""
+        import time, torch
+        from pytscope_core import Scope
+        model = torch.nn.Linear(4, 1); opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        scope = Scope({str(tmp_path)!r}, console=False, hang_timeout=1.0)
+        scope.watch(model, opt)
+        time.monotonic = lambda: 1000.0  # frozen, as under unittest.mock.patch("time.monotonic")
+        time.time = lambda: 1000.0
+        for step in range(1, 100):
+            if step == 8:
+                while True:
+                    pass  # stuck
+            model(torch.randn(2, 4)).sum().backward(); opt.step(); opt.zero_grad()
+    """)
+    proc = run_job(tmp_path, script)
+    assert proc.returncode == HANG_EXIT_CODE, proc.stderr

@@ -17,6 +17,10 @@ FOREIGN_PRIVATE = {
     "dist.distributed_c10d._get_default_store",  # the job's own key-value store (heartbeats, meeting)
     "torch.autograd.Variable._execution_engine",  # the engine's final callbacks ("graph done")
     "loop._broadcast_sigterm_tensor",  # Lightning's per-step broadcast, timed as loop overhead
+    # FSDP2 keeps set_requires_gradient_sync's setting on each unit's parameter groups, with no public getter:
+    # read (never written) to know whether a backward reduce-scatters (fsdp.py)
+    "unit._get_fsdp_state",
+    "unit._get_fsdp_state()._fsdp_param_groups",
 }
 
 

@@ -7,16 +7,22 @@ even the last rank to arrive pays), and *sync wait* (the rest: waiting for slowe
 estimate (docs/MEASUREMENTS.md, item 5): with several buckets it understates transfer, so reports say so. A straggler is
 judged on local work with three gates (relative excess, persistence, and real wall time lost), because a
 significance test alone grows with the number of steps and the max of many noisy ranks always looks slow.
+Where communication is not measured (FSDP1, DeepSpeed, tensor parallel: `parallelism.py`), the waits sit
+inside compute and local work would be plain wall time, equal on every rank: the comparison is switched off
+and the result says why, instead of declaring the job balanced.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 
 from ..arrays import RunArrays
+from ..parallelism import comm_note
+from ..placement import Placement
 from ..records import PHASES
 from . import stats
 
@@ -74,13 +80,45 @@ class DistributedTiming:
     steps_counted: int
     sync_divergence: SyncDivergence | None
     split_is_estimate: bool = True
+    comm_measured: bool = True  # False: local work, the straggler gates and the transfer split are off
+    note: str | None = None  # why, when they are off
+    hosts: tuple[str, ...] = ()  # per_rank's hosts, in its order (empty: placement unknown)
+    local_ranks: tuple[int, ...] = ()  # ...and local ranks
 
     def rank(self, rank: int) -> RankTiming:
         return next(r for r in self.per_rank if r.rank == rank)
 
 
-def distributed_timing(arrays: RunArrays, sel: np.ndarray) -> DistributedTiming:
-    """Per-rank local work and the straggler gates over the steps in `sel` (S,) bool."""
+def distributed_timing(
+    arrays: RunArrays, sel: np.ndarray, comm_measured: bool = True, parallelism: str | None = None
+) -> DistributedTiming:
+    """Per-rank local work and the straggler gates over the steps in `sel` (S,) bool; with communication not
+    measured under `parallelism`, only the data waits and the sync-count check."""
+    timing = _distributed_timing(arrays, sel)
+    return timing if comm_measured else _without_comm(timing, parallelism)
+
+
+def _without_comm(d: DistributedTiming, parallelism: str | None) -> DistributedTiming:
+    nan = math.nan
+    off: dict[str, Any] = dict(local_ms=nan, comm_ms=nan, sync_wait_ms=nan, excess=nan, slower_share=nan)
+    off.update(critical_share=nan, z=nan, straggler=False, extra_phase=None, extra_phase_ms=0.0)
+    return replace(
+        d,
+        per_rank=tuple(replace(r, **off) for r in d.per_rank),
+        stragglers=(),
+        candidates=(),
+        transfer_ms=nan,
+        transfer_share=nan,
+        sync_wait_share=nan,
+        lost_to_imbalance=nan,
+        lost_ms_per_step=nan,
+        next_slowest_local_ms=nan,
+        comm_measured=False,
+        note=comm_note(parallelism, False),
+    )
+
+
+def _distributed_timing(arrays: RunArrays, sel: np.ndarray) -> DistributedTiming:
     ranks = [int(r) for r in arrays.ranks]
     comm_all = arrays.comm_ms[sel]
     wall_all = arrays.wall_ms[sel]
@@ -127,23 +165,17 @@ def distributed_timing(arrays: RunArrays, sel: np.ndarray) -> DistributedTiming:
     data_med = stats.median_over_steps(data)
     with np.errstate(all="ignore"):
         data_share = np.where(wall_sum > 0, data.sum(axis=0, dtype=np.float64) / wall_sum, 0.0)
+    # One Python object per rank: columns go to lists first (numpy scalars cost 16k x 10 conversions).
+    columns = zip(
+        ranks,
+        *(np.asarray(c, dtype=np.float64).tolist() for c in (local_med, comm_med, wait_med, data_med)),
+        *(np.asarray(c, dtype=np.float64).tolist() for c in (data_share, critical, excess, slower_share, z)),
+        np.asarray(is_straggler, dtype=bool).tolist(),
+        strict=True,
+    )
     per_rank = tuple(
-        RankTiming(
-            rank=ranks[i],
-            local_ms=float(local_med[i]),
-            comm_ms=float(comm_med[i]),
-            sync_wait_ms=float(wait_med[i]),
-            data_ms=float(data_med[i]),
-            data_share=float(data_share[i]),
-            critical_share=float(critical[i]),
-            excess=float(excess[i]),
-            slower_share=float(slower_share[i]),
-            z=float(z[i]),
-            straggler=bool(is_straggler[i]),
-            extra_phase=extra[i][0] if i in extra else None,
-            extra_phase_ms=extra[i][1] if i in extra else 0.0,
-        )
-        for i in range(r)
+        RankTiming(rank, lm, cm, wm, dm, ds, cs, ex, ss, zz, st, *extra.get(i, (None, 0.0)))
+        for i, (rank, lm, cm, wm, dm, ds, cs, ex, ss, zz, st) in enumerate(columns)
     )
     return DistributedTiming(
         per_rank=per_rank,
@@ -241,4 +273,16 @@ def _empty(arrays: RunArrays, ranks: list[int]) -> DistributedTiming:
         next_slowest_local_ms=nan,
         steps_counted=0,
         sync_divergence=sync_divergence(arrays),
+    )
+
+
+def with_placement(d: DistributedTiming, placement: Placement) -> DistributedTiming:
+    """`d` with the host and local rank of each of its ranks, where the run recorded them."""
+    if not placement.known:
+        return d
+    ranks = [r.rank for r in d.per_rank]
+    return replace(
+        d,
+        hosts=tuple(placement.host(r) or "?" for r in ranks),
+        local_ranks=tuple(placement.local_rank(r) or 0 for r in ranks),
     )

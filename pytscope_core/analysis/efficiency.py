@@ -2,7 +2,8 @@
 
 The budget splits counted wall time into useful compute (forward + backward), data wait, exposed transfer,
 sync wait (imbalance: the straggler's bill, never communication cost), optimizer and other; the lines add up
-to 1 and say which could be won back. Goodput is the wall time of counted steps over the elapsed time of the
+to 1 and say which could be won back. Where communication is not measured (`parallelism.py`), its two lines say
+"not measured" (share NaN) and forward + backward is not called useful compute: the waits are inside it. Goodput is the wall time of counted steps over the elapsed time of the
 whole job, with the losses named: downtime between segments, steps replayed after a resume, warm-up, and
 what no step covers (start-up, validation, checkpoints).
 """
@@ -27,6 +28,7 @@ class BudgetLine:
     share: float  # of counted wall time; the lines of a budget sum to 1
     ms_per_step: float
     recoverable: bool
+    measured: bool = True  # False: share and ms are NaN, the time hides in another line
 
 
 @dataclass(frozen=True)
@@ -62,20 +64,23 @@ class Efficiency:
     goodput: Goodput
 
 
-def budget(timing: StepTiming, dist: DistributedTiming) -> tuple[BudgetLine, ...]:
+def budget(timing: StepTiming, dist: DistributedTiming, comm_measured: bool = True) -> tuple[BudgetLine, ...]:
     share = {p.name: p.share for p in timing.phases}
     comm = share["comm"]
-    transfer = min(max(dist.transfer_share, 0.0), comm)
-    lines = (
-        ("useful compute", share["forward"] + share["backward"], False),
-        ("data wait", share["data"], True),
-        ("exposed transfer", transfer, True),
-        ("sync wait (imbalance)", comm - transfer, True),
-        ("optimizer", share["optimizer"], False),
-        ("other", share["other"], True),
+    transfer = min(max(dist.transfer_share, 0.0), comm) if comm_measured else math.nan
+    compute = "useful compute" if comm_measured else "compute + unmeasured comm"
+    lines = (  # name, share, recoverable, measured
+        (compute, share["forward"] + share["backward"], False, True),
+        ("data wait", share["data"], True, True),
+        ("exposed transfer", transfer, comm_measured, comm_measured),
+        ("sync wait (imbalance)", comm - transfer, comm_measured, comm_measured),
+        ("optimizer", share["optimizer"], False, True),
+        ("other", share["other"], True, True),
     )
     mean = timing.mean_ms if math.isfinite(timing.mean_ms) else 0.0
-    return tuple(BudgetLine(name, float(s), float(s * mean), rec) for name, s, rec in lines)
+    return tuple(
+        BudgetLine(name, float(s), float(s * mean), rec, measured) for name, s, rec, measured in lines
+    )
 
 
 def mfu(ctx: RunContext, timing: StepTiming) -> float | None:
@@ -165,7 +170,7 @@ def efficiency(
     wall: np.ndarray,
     sel: np.ndarray,
 ) -> Efficiency:
-    lines = budget(timing, dist)
+    lines = budget(timing, dist, ctx.comm_measured)
     return Efficiency(
         budget=lines,
         recoverable_share=float(sum(line.share for line in lines if line.recoverable)),

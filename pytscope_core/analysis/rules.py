@@ -43,6 +43,7 @@ TIMING_CODES = frozenset(
     {
         "DIST.STRAGGLER",
         "DIST.LOAD_IMBALANCE",
+        "DIST.SLOW_NODE",
         "DIST.COMM_BOUND",
         "DATA.INPUT_BOUND",
         "TIMING.JITTER",
@@ -115,13 +116,16 @@ def straggler(a: RunAnalysis) -> list[Finding]:
     me = d.rank(rank)
     others = float(np.median([r.local_ms for r in d.per_rank if r.rank != rank]))
     others_data = float(np.median([r.data_ms for r in d.per_rank if r.rank != rank]))
+    host = a.ctx.placement.host(rank)
+    on_host = f" on host {host}" if host is not None else ""
     return [
         Finding(
             code="DIST.STRAGGLER",
             severity=_cost_severity(d.lost_to_imbalance),
-            title=f"Rank {rank} is a straggler: the other ranks wait for it every step",
+            title=f"Rank {rank}{on_host} is a straggler: the other ranks wait for it every step",
             detail=(
-                f"Rank {rank} does {me.local_ms:.2f} ms of local work per step vs {others:.2f} ms on the other "
+                f"{a.ctx.placement.describe(rank).capitalize()} does {me.local_ms:.2f} ms of local work per "
+                f"step vs {others:.2f} ms on the other "
                 f"ranks (median, +{_pct(me.excess)}); it is slower than the others' median in "
                 f"{_pct(me.slower_share)} of {d.steps_counted} steps (z = {me.z:.1f}) and on the critical "
                 f"path in {_pct(me.critical_share)}."
@@ -140,7 +144,8 @@ def straggler(a: RunAnalysis) -> list[Finding]:
                     if me.extra_phase
                     else "Check"
                 )
-                + f" rank {rank}'s host: other processes or throttling on that CPU/GPU, its data "
+                + f" rank {rank}'s host{f' ({host})' if host is not None else ''}: other processes or "
+                f"throttling on that CPU/GPU, its data "
                 f"loader (data wait {me.data_ms:.2f} ms vs {others_data:.2f} ms on the others) and shard size, then compare its "
                 f"phases with the others' in `pytscope trace`."
             ),
@@ -161,9 +166,10 @@ def straggler(a: RunAnalysis) -> list[Finding]:
 
 @rule("DIST.LOAD_IMBALANCE")
 def load_imbalance(a: RunAnalysis) -> list[Finding]:
-    """Several ranks pass the straggler gates: the work is unevenly split, not one bad host."""
+    """Several ranks pass the straggler gates: the work is unevenly split, not one bad host. When those ranks
+    are whole nodes, DIST.SLOW_NODE says so instead (one problem, one finding)."""
     d = a.distributed
-    if len(d.stragglers) < 2:
+    if len(d.stragglers) < 2 or slow_nodes(a):
         return []
     slow = [d.rank(r) for r in d.stragglers]
     fast = [r.local_ms for r in d.per_rank if r.rank not in d.stragglers]
@@ -174,7 +180,9 @@ def load_imbalance(a: RunAnalysis) -> list[Finding]:
             severity=_cost_severity(d.lost_to_imbalance),
             title=f"Work is unevenly split: {len(slow)} ranks are persistently slower",
             detail=(
-                f"Ranks {format_ranks(d.stragglers)} do {min(r.local_ms for r in slow):.2f}-"
+                f"Ranks {format_ranks(d.stragglers)}"
+                + (f" ({a.ctx.placement.by_host(d.stragglers)})" if a.ctx.placement.known else "")
+                + f" do {min(r.local_ms for r in slow):.2f}-"
                 f"{max(r.local_ms for r in slow):.2f} ms of local work per step vs {others:.2f} ms on the "
                 f"others (median), each slower than its peers' median in >= "
                 f"{_pct(min(r.slower_share for r in slow))} of steps. The rest wait "
@@ -186,6 +194,68 @@ def load_imbalance(a: RunAnalysis) -> list[Finding]:
             ),
             ranks=tuple(d.stragglers),
             evidence={"lost_ms_per_step": d.lost_ms_per_step, "lost_share": d.lost_to_imbalance},
+        )
+    ]
+
+
+SLOW_NODE_MIN_RANKS = 2
+"""A node blamed as a whole needs at least two ranks on it: a one-rank node is a DIST.STRAGGLER (named with
+its host), where device, data and host cannot be told apart."""
+
+
+def slow_nodes(a: RunAnalysis) -> tuple[str, ...]:
+    """The hosts whose ranks are exactly the slow ranks: every rank of each passes the straggler gates and no
+    rank elsewhere does (at least one host is fine)."""
+    return a.ctx.placement.whole_hosts(a.distributed.stragglers, SLOW_NODE_MIN_RANKS)
+
+
+@rule("DIST.SLOW_NODE")
+def slow_node(a: RunAnalysis) -> list[Finding]:
+    """The slow ranks are all the ranks of one node (or of a few whole nodes), and only those: a host problem
+    (throttled CPUs or GPUs, another job on it, its storage or network link), not one rank's device or data.
+    Each rank passes the DIST.STRAGGLER floors; DIST.LOAD_IMBALANCE steps aside for these ranks."""
+    hosts = slow_nodes(a)
+    if not hosts:
+        return []
+    d = a.distributed
+    slow = [d.rank(r) for r in d.stragglers]
+    fast = [r.local_ms for r in d.per_rank if r.rank not in d.stragglers]
+    others = float(np.median(fast)) if fast else math.nan
+    phases = [r.extra_phase for r in slow if r.extra_phase]
+    phase = max(set(phases), key=phases.count) if phases else None
+    names = ", ".join(hosts)
+    plural = len(hosts) > 1
+    return [
+        Finding(
+            code="DIST.SLOW_NODE",
+            severity=_cost_severity(d.lost_to_imbalance),
+            title=(
+                f"Host{'s' if plural else ''} {names} {'are' if plural else 'is'} slow: every rank on "
+                f"{'them' if plural else 'it'} is persistently slower"
+            ),
+            detail=(
+                f"All {len(slow)} ranks of host{'s' if plural else ''} {names} (ranks "
+                f"{format_ranks(d.stragglers)}) do {min(r.local_ms for r in slow):.2f}-"
+                f"{max(r.local_ms for r in slow):.2f} ms of local work per step vs {others:.2f} ms on the "
+                f"other hosts' ranks (median), each slower than its peers' median in >= "
+                f"{_pct(min(r.slower_share for r in slow))} of steps, and no rank elsewhere is."
+                + (f" Most of their extra work is in `{phase}`." if phase else "")
+                + f" The rest wait {d.lost_ms_per_step:.2f} ms per step for them, {_pct(d.lost_to_imbalance)} "
+                "of wall."
+            ),
+            recommendation=(
+                f"Look at host{'s' if plural else ''} {names} rather than at single ranks: other processes or "
+                "jobs on it, CPU/GPU clocks and thermal throttling (`nvidia-smi -q -d PERFORMANCE`), its local "
+                "storage and network link; if it stays slow, leave it out of the job (your scheduler's exclude "
+                "list) and compare."
+            ),
+            ranks=tuple(d.stragglers),
+            evidence={
+                "hosts": float(len(hosts)),
+                "ranks_on_slow_hosts": float(len(slow)),
+                "lost_ms_per_step": d.lost_ms_per_step,
+                "lost_share": d.lost_to_imbalance,
+            },
         )
     ]
 
@@ -381,6 +451,50 @@ def input_bound(a: RunAnalysis) -> list[Finding]:
             ),
             ranks=tuple(r.rank for r in ranks) if some else (),
             evidence={"data_ms": worst.data_ms, "data_share": share},
+        )
+    ]
+
+
+DUPLICATE_MIN_CHECKED = 5
+"""At least five fingerprinted steps (40 steps): one shared warm-up batch is not a sampler bug."""
+DUPLICATE_MIN_REPEAT = 0.5
+"""A rank repeats another's data in at least half the checked steps: persistent, not a coincidence."""
+DUPLICATE_HIGH_SHARE = 0.25
+"""A quarter of the job's compute or more spent on data another rank also trained on."""
+
+
+@rule("DATA.DUPLICATE_SHARDS")
+def duplicate_shards(a: RunAnalysis) -> list[Finding]:
+    """Ranks training on identical batches (no DistributedSampler, or one seeded the wrong way)."""
+    d = a.duplicates
+    ranks = [
+        int(r) for r, share in zip(d.ranks, d.repeat_share, strict=True) if share >= DUPLICATE_MIN_REPEAT
+    ]
+    if d.steps_checked < DUPLICATE_MIN_CHECKED or len(ranks) < 2:
+        return []
+    groups = "; ".join(
+        f"{len(g) - 1} of {a.world_size} ranks ({format_ranks(g[1:])}) repeat rank {g[0]}'s data"
+        for g in d.groups
+    )
+    share = max(d.repeat_share)
+    return [
+        Finding(
+            code="DATA.DUPLICATE_SHARDS",
+            severity=Severity.HIGH if d.duplicated_share >= DUPLICATE_HIGH_SHARE else Severity.MED,
+            title="Ranks train on the same data",
+            detail=(
+                f"Ranks {format_ranks(ranks)} saw identical batches in up to {_pct(share)} of "
+                f"{d.steps_checked} checked steps (every 8th step is fingerprinted)"
+                + (f"; in the last one {groups}" if groups else "")
+                + f": {_pct(d.duplicated_share)} of the job's compute repeats work another rank did."
+            ),
+            recommendation=(
+                "Give each rank its own shard: a DistributedSampler (Lightning: use_distributed_sampler=True; "
+                "Accelerate: pass the DataLoader to accelerator.prepare), or seed each rank's shuffling with its "
+                "rank. If these ranks are meant to share batches (tensor or pipeline parallel), ignore this."
+            ),
+            ranks=tuple(ranks),
+            evidence={"duplicated_share": d.duplicated_share, "steps_checked": float(d.steps_checked)},
         )
     ]
 

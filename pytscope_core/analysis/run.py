@@ -13,7 +13,8 @@ import numpy as np
 from ..arrays import RunArrays
 from ..context import RunContext
 from .convergence import Convergence, convergence
-from .distributed import DistributedTiming, distributed_timing
+from .data import DuplicateShards, duplicate_shards
+from .distributed import DistributedTiming, distributed_timing, with_placement
 from .efficiency import Efficiency, efficiency
 from .memory import MemoryStats, memory_stats
 from .timing import StepTiming, phase_ms_per_step, statistics_steps, step_timing, step_wall_ms
@@ -40,6 +41,7 @@ class RunAnalysis:
     convergence: Convergence
     efficiency: Efficiency
     memory: MemoryStats
+    duplicates: DuplicateShards
     rank_ends: tuple[RankEnd, ...] = ()
 
 
@@ -47,7 +49,8 @@ def analyze(arrays: RunArrays, ctx: RunContext) -> RunAnalysis:
     sel = statistics_steps(arrays)
     wall = step_wall_ms(arrays)
     timing = step_timing(arrays, wall, phase_ms_per_step(arrays))
-    dist = distributed_timing(arrays, sel)
+    dist = distributed_timing(arrays, sel, ctx.comm_measured, ctx.parallelism)
+    dist = with_placement(dist, ctx.placement)  # hosts and local ranks, for the report's per-rank table
     return RunAnalysis(
         ctx=ctx,
         world_size=arrays.world_size or ctx.world_size,
@@ -59,6 +62,7 @@ def analyze(arrays: RunArrays, ctx: RunContext) -> RunAnalysis:
         convergence=convergence(arrays, sel),
         efficiency=efficiency(arrays, ctx, timing, dist, wall, sel),
         memory=memory_stats(arrays, ctx, sel),
+        duplicates=duplicate_shards(arrays),
         rank_ends=rank_ends(arrays, ctx),
     )
 
@@ -73,8 +77,10 @@ def rank_ends(arrays: RunArrays, ctx: RunContext) -> tuple[RankEnd, ...]:
     has_any = present.any(axis=0)
     last_index = present.shape[0] - 1 - present[::-1].argmax(axis=0)
     notes = dict(ctx.rank_notes)
+    early_or_noted = ~has_any | (last_index < arrays.n_steps - 1) | np.isin(arrays.ranks, list(notes))
     out = []
-    for i, rank in enumerate(int(r) for r in arrays.ranks):
+    for i in np.flatnonzero(early_or_noted).tolist():  # not a Python loop over 16k healthy ranks
+        rank = int(arrays.ranks[i])
         last = int(arrays.steps[last_index[i]]) if has_any[i] else None
         early = last is None or last_index[i] < arrays.n_steps - 1
         if not early and rank not in notes:

@@ -100,6 +100,8 @@ class Job(pl.LightningModule):
     def train_dataloader(self) -> DataLoader:
         rank, world = self.trainer.global_rank, self.trainer.world_size
         batches = self.args.batches_per_epoch
+        if self.args.same_data:  # use_distributed_sampler=False and no shard of its own: every rank alike
+            return DataLoader(self._data(batches * self.args.batch, seed=1), batch_size=self.args.batch)
         if self.args.uneven:
             # use_distributed_sampler=False: each rank builds its own shard, the last one a batch longer.
             batches += 1 if rank == world - 1 else 0
@@ -147,6 +149,9 @@ def main() -> None:
         "--spin-ms", type=float, default=0.0, help="busy-wait on the last rank in every training_step"
     )
     p.add_argument("--uneven", action="store_true")
+    p.add_argument(
+        "--same-data", action="store_true", help="no DistributedSampler: every rank the same batches"
+    )
     p.add_argument("--block-at", type=int, default=0, help="the last rank blocks forever at this step")
     p.add_argument("--hang-timeout", type=float, default=None)
     p.add_argument("--accumulate", type=int, default=1)
@@ -209,7 +214,7 @@ def main() -> None:
             enable_checkpointing=bool(args.ckpt_every),
             enable_progress_bar=False,
             enable_model_summary=False,
-            use_distributed_sampler=not args.uneven,
+            use_distributed_sampler=not (args.uneven or args.same_data),
             val_check_interval=args.val_every or None,
             limit_val_batches=2 if args.val_every else 0,
             num_sanity_val_steps=0,

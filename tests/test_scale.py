@@ -1,0 +1,276 @@
+"""Past one machine, without processes: placement, node findings, the one-way gather, heartbeat load, and
+rank 0's ingest thread (the real multi-node job is in test_nodes.py)."""
+
+from __future__ import annotations
+
+import io
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from pytscope_core import watchdog
+from pytscope_core.analysis import diagnose
+from pytscope_core.arrays import RunArrays
+from pytscope_core.context import RunContext, Segment
+from pytscope_core.findings import Severity
+from pytscope_core.gather import HEADER
+from pytscope_core.ingest import BackgroundIngest, Gathered
+from pytscope_core.live import LiveDiagnosis
+from pytscope_core.placement import Placement, local_place
+from pytscope_core.records import COL, NCOLS
+from pytscope_core.render import render_summary
+from pytscope_core.reporter import RunReporter
+from pytscope_core.summary import summarize
+from pytscope_core.watchdog import beat_period, classify_hang, read_beats
+
+TWO_NODES = Placement(("h00",) * 4 + ("h01",) * 4, (0, 1, 2, 3, 0, 1, 2, 3))
+
+
+def job(slow: dict[int, float], ranks: int = 8, steps: int = 300, seed: int = 0) -> RunArrays:
+    """DDP-like steps: every rank waits in comm for the slowest rank's local work."""
+    rng = np.random.default_rng(seed)
+    compute = 10.0 * (1 + 0.04 * rng.standard_normal((steps, ranks)))
+    for rank, factor in slow.items():
+        compute[:, rank] *= 1 + factor
+    ph = np.zeros((steps, ranks, 6))
+    ph[:, :, 0], ph[:, :, 1], ph[:, :, 2], ph[:, :, 4], ph[:, :, 5] = (
+        0.2,
+        0.4 * compute,
+        0.6 * compute,
+        0.5,
+        0.3,
+    )
+    local = ph.sum(axis=2)
+    ph[:, :, 3] = local.max(axis=1, keepdims=True) - local + 0.5
+    return RunArrays.from_arrays(ph, loss=2.0 * np.exp(-np.arange(steps) / 150) + 0.5)
+
+
+def by_code(findings):
+    return {f.code: f for f in findings if f.severity >= Severity.MED}
+
+
+# -- placement ------------------------------------------------------------------------------------------------
+
+
+def test_local_place_reads_the_override_and_local_rank(monkeypatch):
+    monkeypatch.setenv("PYTSCOPE_HOST", "rack3-node07")
+    monkeypatch.setenv("LOCAL_RANK", "5")
+    assert local_place() == ("rack3-node07", 5)
+    monkeypatch.delenv("LOCAL_RANK")
+    assert local_place() == ("rack3-node07", -1)
+
+
+def test_placement_fills_local_ranks_and_round_trips_through_meta():
+    p = Placement.of([("a", -1), ("a", -1), ("b", -1), ("b", 7)])
+    assert p.local_ranks == (0, 1, 0, 7)
+    assert Placement.from_meta(p.to_meta()) == p
+    assert RunContext.from_meta({"world_size": 4, **p.to_meta()}).placement == p
+    assert RunContext.from_meta({"world_size": 4}).placement == Placement()  # runs from before: unknown
+    assert p.describe(3) == "rank 3 on host b, local rank 7" and Placement().describe(3) == "rank 3"
+
+
+def test_whole_hosts_only_when_the_ranks_are_exactly_some_nodes():
+    assert TWO_NODES.whole_hosts([4, 5, 6, 7]) == ("h01",)
+    assert TWO_NODES.whole_hosts([4, 5, 6]) == ()  # part of a node
+    assert TWO_NODES.whole_hosts([3, 4, 5, 6, 7]) == ()  # a node and a rank elsewhere
+    assert TWO_NODES.whole_hosts(range(8)) == ()  # every node: nothing to compare with
+    assert Placement(("a", "b"), (0, 0)).whole_hosts([1]) == ()  # a one-rank node is a straggler
+
+
+# -- findings name the node -----------------------------------------------------------------------------------
+
+
+def test_a_slow_node_is_one_finding_naming_the_host():
+    found = by_code(diagnose(job({4: 0.3, 5: 0.3, 6: 0.3, 7: 0.3}), RunContext(8, placement=TWO_NODES)))
+    assert found["DIST.SLOW_NODE"].ranks == (4, 5, 6, 7) and "h01" in found["DIST.SLOW_NODE"].title
+    assert "DIST.LOAD_IMBALANCE" not in found and "DIST.STRAGGLER" not in found
+    # Without hosts the same ranks are a load imbalance, as before.
+    assert "DIST.LOAD_IMBALANCE" in by_code(diagnose(job({4: 0.3, 5: 0.3, 6: 0.3, 7: 0.3}), RunContext(8)))
+
+
+def test_slow_ranks_on_two_nodes_are_imbalance_with_their_hosts():
+    found = by_code(diagnose(job({3: 0.3, 4: 0.3}), RunContext(8, placement=TWO_NODES)))
+    assert "DIST.SLOW_NODE" not in found
+    assert "host h00 (rank 3), host h01 (rank 4)" in found["DIST.LOAD_IMBALANCE"].detail
+
+
+def test_a_straggler_is_named_with_host_and_local_rank():
+    f = by_code(diagnose(job({6: 0.3}), RunContext(8, placement=TWO_NODES)))["DIST.STRAGGLER"]
+    assert f.title.startswith("Rank 6 on host h01 is a straggler")
+    assert f.detail.startswith("Rank 6 on host h01, local rank 2 does")
+
+
+def test_the_rank_table_groups_by_node():
+    placement = Placement(("b", "a", "b", "a"), (0, 0, 1, 1))
+    summary = summarize(job({2: 0.3}, ranks=4), RunContext(4, placement=placement))
+    from rich.console import Console
+
+    console = Console(file=io.StringIO(), width=100, color_system=None)
+    console.print(render_summary(summary))
+    table = console.file.getvalue().split("Distributed", 1)[1].split("Efficiency", 1)[0]
+    rows = [line.split()[:3] for line in table.splitlines() if line[:2] in ("a ", "b ")]
+    assert rows == [["a", "1", "0"], ["a", "3", "1"], ["b", "0", "0"], ["b", "2", "1"]]
+    assert "host" in table and summary.to_dict()["distributed"]["per_rank"][2]["host"] == "b"
+
+
+def test_a_hang_names_the_missing_ranks_hosts_and_stays_short_at_scale():
+    beats = {r: {"step": 29, "phase": "comm", "idle_s": 50.0, "syncs": 29} for r in range(4)}
+    beats[6] = {"step": 29, "phase": "data", "idle_s": 50.0, "syncs": 29}
+    f = classify_hang(beats, 8, 10.0, TWO_NODES)
+    assert f is not None and f.ranks == (4, 5, 6, 7)
+    assert "on host h01" in f.title and "rank 6 on host h01, local rank 2 is at step 30 in `data`" in f.detail
+    assert "every rank of host h01" in f.detail
+    many = {r: {"step": 9, "phase": "data", "idle_s": 50.0, "syncs": 9} for r in range(4096)}
+    f = classify_hang(many, 4096, 10.0)
+    assert f is not None and len(f.detail) < 1000 and "and 4088 more" in f.detail
+
+
+# -- heartbeats -----------------------------------------------------------------------------------------------
+
+
+def test_beat_period_grows_with_the_world_but_stays_under_the_timeout():
+    assert beat_period(8, 120.0) == watchdog.BEAT_S
+    assert beat_period(16384, None) == pytest.approx(16.384)
+    assert beat_period(16384, 20.0) == pytest.approx(5.0)  # a hang is still seen within a quarter timeout
+    assert beat_period(16384, 2.0) == watchdog.BEAT_S
+    # The store's load: all ranks' beats per second stay bounded at any world size.
+    for world in (8, 1024, 16384, 100_000):
+        assert world / beat_period(world, None) <= watchdog.STORE_BEATS_PER_S
+
+
+class CountingStore:
+    def __init__(self, keys: dict[str, str]) -> None:
+        self.keys = keys
+        self.calls: list[str] = []
+
+    def check(self, keys: list[str]) -> bool:
+        self.calls.append("check")
+        return all(k in self.keys for k in keys)
+
+    def get(self, key: str) -> bytes:
+        self.calls.append("get")
+        return self.keys[key].encode()
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        self.calls.append("multi_get")
+        return [self.keys[k].encode() for k in keys]
+
+
+def test_heartbeats_seen_once_are_read_in_one_round_trip():
+    keys = [f"hb/{r}" for r in range(1000)]
+    store = CountingStore({k: "x" for k in keys[:-1]})  # the last rank never beat
+    present: set[int] = set()
+    assert len(read_beats(store, keys, present)) == 999
+    store.keys[keys[-1]] = "x"
+    store.calls.clear()
+    assert len(read_beats(store, keys, present)) == 1000
+    assert store.calls == ["multi_get", "check", "multi_get"]  # the known ones, then the newcomer
+    store.calls.clear()
+    read_beats(store, keys, present)
+    assert store.calls == ["multi_get"]
+
+
+# -- the gather -----------------------------------------------------------------------------------------------
+
+
+def rows_of(rank: int, steps: range) -> np.ndarray:
+    rows = np.full((len(steps), NCOLS), 1.0)
+    rows[:, COL["rank"]], rows[:, COL["step"]] = rank, list(steps)
+    return rows
+
+
+def test_a_window_longer_than_the_block_still_arrives_whole(tmp_path):
+    import torch.distributed as dist
+
+    from pytscope_core.gather import Gatherer
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        g = Gatherer(timeout_s=30, capacity=4)
+        ex = g.exchange((10.0, 10.0, 10.0, 0.5), rows_of(0, range(1, 11)))  # 10 rows, 4 fit the block
+        assert ex is not None and ex.rows[:, COL["step"]].tolist() == list(range(1, 11))
+        assert ex.headers.tolist() == [[10.0, 10.0, 10.0, 10.0, 0.5]] and len(HEADER) == 5
+        assert g.exchange((10.0, 10.0, 10.0, 0.5), rows_of(0, range(0))).rows.shape == (0, NCOLS)
+        assert g.gather_places("héte", 3) == [("héte", 3)]
+        g.destroy()
+    finally:
+        dist.destroy_process_group()
+
+
+# -- rank 0's ingest thread -----------------------------------------------------------------------------------
+
+
+def live_of(tmp_path) -> LiveDiagnosis:
+    reporter = RunReporter(tmp_path, {"world_size": 2, "interval": 10, "warmup": 0}, console=False)
+    return LiveDiagnosis(reporter, Segment(0, time.time(), 0, 2), warmup=0, errors=[])
+
+
+def gathered(n: int, final: bool = False) -> Gathered:
+    rows = np.concatenate(
+        [rows_of(0, range(10 * n + 1, 10 * n + 11)), rows_of(1, range(10 * n + 1, 10 * n + 11))]
+    )
+    headers = np.tile([10.0 * (n + 1), 10.0 * (n + 1), 10.0 * (n + 1), 10.0, np.nan], (2, 1))
+    return Gathered(headers, rows, n + 1, 10 * (n + 1), final, [], None)
+
+
+def test_ingest_thread_writes_every_gather_and_drains_at_close(tmp_path):
+    live = live_of(tmp_path)
+    ingest = BackgroundIngest(live)
+    for n in range(5):
+        ingest.submit(gathered(n))
+    ingest.submit(gathered(5, final=True))
+    assert ingest.close(timeout_s=30)
+    live.reporter.close()
+    written = np.fromfile(tmp_path / "steps.f64").reshape(-1, NCOLS)
+    assert written.shape[0] == 6 * 20 and live.diagnoses >= 1
+    assert len(ingest.handoff_ms) == 6 and len(ingest.ingest_ms) + ingest.skipped == 6
+
+
+def test_a_full_queue_skips_diagnoses_never_rows_and_errors_reach_the_training_thread(tmp_path):
+    live = live_of(tmp_path)
+    release = threading.Event()
+    slow_diagnosis = live.diagnose
+
+    def blocked(step: int) -> None:
+        release.wait(10)
+        slow_diagnosis(step)
+
+    live.diagnose = blocked  # type: ignore[method-assign]
+    ingest = BackgroundIngest(live)
+    for n in range(6):  # one in diagnosis, two queued, the rest recorded here without a diagnosis
+        ingest.submit(gathered(n))
+    assert ingest.skipped >= 3
+    release.set()
+    assert ingest.close(timeout_s=30)
+    live.reporter.close()
+    assert np.fromfile(tmp_path / "steps.f64").reshape(-1, NCOLS).shape[0] == 6 * 20
+
+    broken = BackgroundIngest(live_of(tmp_path / "b"))
+    broken.live.diagnose = lambda step: 1 / 0  # type: ignore[method-assign]
+    broken.submit(gathered(0))
+    broken.drain(10)
+    with pytest.raises(RuntimeError, match="ZeroDivisionError"):
+        broken.submit(gathered(1))
+    broken.close(10)
+
+
+def test_rows_in_gather_order_give_the_same_arrays_as_any_order():
+    rows = np.concatenate([rows_of(r, range(1, 31)) for r in range(4)])  # rank after rank, as gathered
+    rows[:, COL["wall_ms"]] = np.arange(rows.shape[0])
+    shuffled = rows[np.random.default_rng(0).permutation(rows.shape[0])]
+    fast, general = RunArrays.from_rows(rows, warmup=5), RunArrays.from_rows(shuffled, warmup=5)
+    for name in (
+        "steps",
+        "ranks",
+        "phases",
+        "wall_ms",
+        "start_s",
+        "loss",
+        "grad_syncs",
+        "segment",
+        "counted",
+    ):
+        np.testing.assert_array_equal(getattr(fast, name), getattr(general, name))
+    assert fast.wall_ms[3, 2] == 2 * 30 + 3  # step 4 of rank 2
