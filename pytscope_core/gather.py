@@ -137,6 +137,10 @@ class Gatherer:
         else:
             self.traffic = Traffic(sent=8 * numbers, received=8)
 
+    def barrier(self) -> None:
+        with contextlib.suppress(Exception):  # best effort at the end of a run, bounded by the group's timeout
+            self._dist.barrier(group=self.group)
+
     def destroy(self, dist_alive: bool = True) -> None:
         """Destroy the group (unless the default group is already gone, with ours in it) and drop it, so that
         its gloo threads are joined now and not while the interpreter shuts down."""

@@ -239,6 +239,7 @@ class RunSession:
                     coordinator.gatherer = None
             if coordinator.distributed or self.rank == 0:
                 self.gather(final=True)
+                coordinator.met_at_finish = coordinator.distributed  # every rank took part in that gather
         return self.report()
 
     def stop(self, reason: str) -> Any:
