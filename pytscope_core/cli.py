@@ -1,4 +1,5 @@
-"""The `pytscope` command: re-read any run (report), compare runs, scale, trace, or run a faulty demo job.
+"""The `pytscope` command: re-read any run (report), compare runs, scale, trace, run a faulty demo job, or
+check that a data-parallel step computes what one process does (equivalence).
 
 Bad input (a missing or junk run directory, bad arguments) exits 2 with one line on stderr, never a
 traceback; `--fail-on` exits 1 when a finding is at least that severe.
