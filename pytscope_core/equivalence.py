@@ -13,18 +13,17 @@ SyncBatchNorm, or per-rank randomness.
 
 from __future__ import annotations
 
-import datetime
-import logging
 import math
 import pickle
 import tempfile
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+from .dataparallel import WorkerError as WorkerError  # raised by check_equivalence: importable here
+from .dataparallel import read_results, start_workers, train
 
 if TYPE_CHECKING:
     from rich.console import RenderableType
@@ -51,10 +50,6 @@ class EquivalenceError(AssertionError):
 
 class EquivalenceSetupError(ValueError):
     """The check cannot run as asked (a batch that does not split, a function the workers cannot import)."""
-
-
-class WorkerError(RuntimeError):
-    """A worker process failed or did not finish; the message carries its error."""
 
 
 @dataclass(frozen=True)
@@ -201,12 +196,12 @@ def check_equivalence(
         )
         with tempfile.TemporaryDirectory(prefix="pytscope-equivalence-") as out_dir:
             # The workers start first so that their (slow) torch import overlaps the reference run here.
-            workers = _start_workers(world_size, job, out_dir)
+            workers = start_workers(world_size, job, out_dir)
             try:
                 torch.manual_seed(seed)
-                reference = _train(model, loss_fn, default_step, optimizer_factory, inputs, targets, steps)
+                reference = train(model, loss_fn, default_step, optimizer_factory, inputs, targets, steps)
                 workers.wait(timeout_s)
-                distributed = _read_arrays(Path(out_dir) / "rank0.npz")
+                distributed = read_results(out_dir)
             finally:
                 workers.stop()
     result = compare_to_reference(
@@ -400,150 +395,3 @@ def _batch_size(inputs: Any) -> int:
     if isinstance(inputs, dict) and inputs:
         return _batch_size(next(iter(inputs.values())))
     raise EquivalenceSetupError("the batch's inputs hold no tensor with a batch dimension")
-
-
-def _shard(obj: Any, rank: int, world_size: int) -> Any:
-    import torch
-    from torch.utils.data import DistributedSampler
-
-    if isinstance(obj, torch.Tensor) and obj.dim() > 0:
-        # The sampler itself, so the split is exactly the one a DDP data loader makes.
-        samples = cast(Any, range(obj.shape[0]))
-        sampler: DistributedSampler[int] = DistributedSampler(
-            samples, world_size, rank, shuffle=False, drop_last=False
-        )
-        return obj.index_select(0, torch.tensor(list(sampler)))
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(_shard(x, rank, world_size) for x in obj)
-    if isinstance(obj, dict):
-        return {k: _shard(v, rank, world_size) for k, v in obj.items()}
-    return obj
-
-
-def _train(
-    model: Any,
-    loss_fn: Callable[..., Any],
-    step_fn: Callable[..., None],
-    optimizer_factory: Callable[[Any], Any],
-    inputs: Any,
-    targets: Any,
-    steps: int,
-) -> dict[str, np.ndarray]:
-    """Train mode (so BatchNorm uses batch statistics, as in training). Returns the first step's gradients
-    and forward calls (`micro_batches`), and the parameters after the last step."""
-    module = getattr(model, "module", model)  # DDP's wrapper prefixes names with "module."
-    forward_calls = [0]
-
-    def count(*_: Any) -> None:
-        forward_calls[0] += 1
-
-    hook = module.register_forward_pre_hook(count)
-    model.train()
-    optimizer = optimizer_factory(model.parameters())
-    out: dict[str, np.ndarray] = {}
-    for step in range(steps):
-        optimizer.zero_grad()
-        step_fn(model, loss_fn, inputs, targets)
-        if step == 0:
-            hook.remove()
-            out["micro_batches"] = np.array(forward_calls[0])
-            for name, p in module.named_parameters():
-                grad = p.grad if p.grad is not None else p.detach().new_zeros(p.shape)
-                out[f"grad/{name}"] = grad.detach().cpu().numpy().copy()
-        optimizer.step()
-    for name, p in module.named_parameters():
-        out[f"param/{name}"] = p.detach().cpu().numpy().copy()
-    return out
-
-
-class _Workers:
-    """W spawned ranks meeting at a TCPStore this process holds, so the port is free and never raced for."""
-
-    def __init__(self, context: Any, store: Any) -> None:
-        self.context, self.store = context, store
-
-    def wait(self, timeout_s: float) -> None:
-        import torch.multiprocessing as mp
-
-        deadline = time.monotonic() + timeout_s
-        # torch logs a warning as it ends the peers of a failed rank; the WorkerError below says it instead,
-        # so that the CLI's bad-input message stays one line.
-        spawn_log = logging.getLogger("torch.multiprocessing.spawn")
-        level = spawn_log.level
-        spawn_log.setLevel(logging.ERROR)
-        try:
-            while not self.context.join(timeout=max(0.0, deadline - time.monotonic())):
-                if time.monotonic() >= deadline:
-                    raise WorkerError(
-                        f"the {len(self.context.processes)} worker processes did not finish within "
-                        f"{timeout_s:g} s (a collective some rank never joined?); they were killed"
-                    )
-        except mp.ProcessRaisedException as exc:
-            lines = [line for line in str(exc).strip().splitlines() if line.strip()]
-            raise WorkerError(
-                f"rank {exc.error_index} failed: {lines[-1].strip() if lines else exc}\n{exc}"
-            ) from None
-        except mp.ProcessExitedException as exc:
-            raise WorkerError(f"rank {exc.error_index} died: {exc}") from None
-        finally:
-            spawn_log.setLevel(level)
-
-    def stop(self) -> None:
-        for process in self.context.processes:  # only stragglers of a failed or timed-out run are alive
-            if process.is_alive():
-                process.kill()
-            process.join()
-
-
-def _start_workers(world_size: int, job: dict[str, Any], out_dir: str) -> _Workers:
-    import torch.distributed as dist
-    import torch.multiprocessing as mp
-
-    # Port 0: the OS picks a free port, and this process keeps it bound for the whole run.
-    store = dist.TCPStore(
-        "127.0.0.1",
-        0,
-        is_master=True,
-        wait_for_workers=False,
-        timeout=datetime.timedelta(seconds=job["timeout_s"]),
-    )
-    job = dict(job, port=store.port, out_dir=out_dir, world_size=world_size)
-    context = mp.start_processes(_worker, args=(job,), nprocs=world_size, join=False, start_method="spawn")
-    return _Workers(context, store)
-
-
-def _worker(rank: int, job: dict[str, Any]) -> None:
-    import torch
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel
-
-    torch.set_num_threads(1)  # W ranks share the machine; one thread each keeps the runs comparable
-    timeout = datetime.timedelta(seconds=job["timeout_s"])
-    world_size = job["world_size"]
-    store = dist.TCPStore("127.0.0.1", job["port"], is_master=False, timeout=timeout)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
-    try:
-        torch.manual_seed(job["seed"])
-        model = job["model_factory"]()
-        model.load_state_dict(job["state_dict"])
-        ddp = DistributedDataParallel(model)
-        inputs, targets = _shard(job["inputs"], rank, world_size), _shard(job["targets"], rank, world_size)
-        torch.manual_seed(job["seed"])
-        out = _train(
-            ddp, job["loss_fn"], job["step_fn"], job["optimizer_factory"], inputs, targets, job["steps"]
-        )
-        if rank == 0:  # DDP keeps the ranks' gradients and parameters identical; rank 0 speaks for all
-            np.savez(Path(job["out_dir"]) / "rank0.npz", allow_pickle=False, **out)
-        # A rank that tears gloo down while its peer is still in a collective aborts the peer (SIGABRT,
-        # seen here about one run in three): leave together. A failed rank skips this; the caller kills.
-        dist.barrier()
-        del ddp
-    finally:
-        dist.destroy_process_group()
-
-
-def _read_arrays(path: Path) -> dict[str, np.ndarray]:
-    if not path.exists():
-        raise WorkerError(f"the workers finished without writing their results ({path.name})")
-    with np.load(path, allow_pickle=False) as data:
-        return {k: data[k] for k in data.files}

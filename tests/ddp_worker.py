@@ -1,7 +1,8 @@
 """A tiny real DDP job for the multi-process tests: gloo ranks spawned by torch.multiprocessing.
 
 Options inject one behaviour at a time, always by busy-waiting (never sleeping): a slow rank, a rank that
-blocks at one step, a rank whose every step is slow but progressing, a rank that skips one gradient sync.
+blocks at one step, a rank whose every step is slow but progressing, a rank that skips one gradient sync,
+forward work of a fixed wall time on every rank.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ def _main(rank: int, world: int, port: int, o: dict[str, Any]) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.ReLU(), torch.nn.Linear(256, 4))
+    if o.get("work_ms"):  # forward work that takes the same wall time on every rank, however busy the cores
+        model.register_forward_pre_hook(lambda *_: spin(o["work_ms"]))
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
     scope = Scope(

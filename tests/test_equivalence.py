@@ -153,8 +153,37 @@ def test_accumulation_without_dividing_fails_and_with_dividing_passes():
 def test_an_error_in_a_worker_surfaces_in_the_caller_without_a_hang():
     start = time.monotonic()
     with pytest.raises(WorkerError, match="rank 1 failed: RuntimeError: rank 1 cannot do this"):
-        check_equivalence(m.fails_on_rank_1, m.mse, (m.regression_batch()[0], m.regression_batch()[1]))
+        check_equivalence(m.fails_on_rank_1, m.mse, m.regression_batch())
     assert time.monotonic() - start < 60  # rank 0, stuck in its all-reduce, was ended, not waited for
+
+
+def test_the_rank_that_failed_first_is_named_not_the_peer_it_took_down():
+    # Rank 1 fails; rank 0 then fails in its all-reduce as rank 1's connections close, and when both processes
+    # end together torch's join may report rank 0 first. The ranks' own records say who failed first.
+    import json
+
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    from pytscope_core.dataparallel import FAILURE_KEY, Workers
+
+    class BothFailed:
+        processes = [None, None]
+
+        def join(self, timeout):
+            raise mp.ProcessRaisedException("RuntimeError: Connection closed by peer", 0, 1000)
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    echo = dict(t=101.0, error="RuntimeError: Connection closed by peer [127.0.0.1]:4242", traceback="tb 0")
+    cause = dict(t=100.0, error="RuntimeError: rank 1 cannot do this", traceback="tb 1")
+    for rank, failure in [(0, echo), (1, cause)]:
+        store.set(FAILURE_KEY.format(rank=rank), json.dumps(failure))
+    with pytest.raises(WorkerError) as info:
+        Workers(BothFailed(), store).wait(5)
+    assert str(info.value) == "rank 1 failed: RuntimeError: rank 1 cannot do this\ntb 1"
+    store.delete_key(FAILURE_KEY.format(rank=1))  # a rank that died without a word: the earliest record
+    with pytest.raises(WorkerError, match="rank 0 failed: RuntimeError: Connection closed by peer"):
+        Workers(BothFailed(), store).wait(5)
 
 
 @pytest.mark.multiproc
@@ -168,12 +197,12 @@ def test_workers_that_never_finish_are_killed_at_the_timeout():
 def test_each_rank_gets_the_distributed_sampler_shard():
     import torch
 
-    from pytscope_core.equivalence import _shard
+    from pytscope_core.dataparallel import shard
 
     batch = {"x": torch.arange(12), "pair": (torch.arange(12) * 10, "not a tensor")}
-    shard = _shard(batch, 1, 3)
-    assert shard["x"].tolist() == [1, 4, 7, 10] and shard["pair"][0].tolist() == [10, 40, 70, 100]
-    assert shard["pair"][1] == "not a tensor"
+    out = shard(batch, 1, 3)
+    assert out["x"].tolist() == [1, 4, 7, 10] and out["pair"][0].tolist() == [10, 40, 70, 100]
+    assert out["pair"][1] == "not a tensor"
 
 
 def pytscope(factory, loss, batch, *extra, console_script=False):
