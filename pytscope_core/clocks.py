@@ -31,22 +31,29 @@ class HostClock:
 
 
 class CudaEventClock:
-    """Marks recorded as CUDA events on the current stream, so GPU phases are execution, not launch, times.
+    """Marks recorded as CUDA events on the current stream of the model's device, so GPU phases are
+    execution, not launch, times, on the GPU that runs the model (not whichever device is current).
 
     Events are recycled from a pool once resolved. `to_ms` waits for the newest event (one synchronize)
     and measures every stamp against the first one of the batch.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, device: Any = None) -> None:
         import torch
 
         self._torch = torch
+        self.device = cuda_device(device)
         self._pool: list[Any] = []
 
     def now(self) -> Any:
         ev = self._pool.pop() if self._pool else self._torch.cuda.Event(enable_timing=True)
-        ev.record()
+        ev.record(self._torch.cuda.current_stream(self.device))
         return ev
+
+    def peak_memory(self) -> float:
+        """The allocator's high-water mark on this device. Never reset here: the user's own
+        `torch.cuda.max_memory_allocated()` readings stay true, and like the host's peak RSS it only grows."""
+        return float(self._torch.cuda.max_memory_allocated(self.device))
 
     def to_ms(self, stamps: Sequence[Any]) -> list[float]:
         if not stamps:
@@ -56,3 +63,11 @@ class CudaEventClock:
         out = [origin.elapsed_time(ev) for ev in stamps]
         self._pool.extend(stamps)
         return out
+
+
+def cuda_device(device: Any = None) -> Any:
+    """`device` as a `torch.device` with its index (a bare "cuda" means the current device)."""
+    import torch
+
+    d = torch.device("cuda") if device is None else torch.device(device)
+    return d if d.index is not None else torch.device("cuda", torch.cuda.current_device())

@@ -92,6 +92,15 @@ class ScopeOptions:
         return dataclasses.replace(self, **changes)
 
     @classmethod
+    def resolve(
+        cls, options: ScopeOptions | None, run_dir: str | os.PathLike[str] | None, **values: Any
+    ) -> ScopeOptions:
+        """`options` (or the defaults) with `run_dir` and any keyword values over it."""
+        if options is None:
+            return cls(run_dir=run_dir, **values)
+        return options.replace(**({"run_dir": run_dir} if run_dir is not None else {}), **values)
+
+    @classmethod
     def markdown_table(cls) -> str:
         """The README's options table, generated from the fields above."""
         lines = ["| option | default | meaning |", "|---|---|---|"]

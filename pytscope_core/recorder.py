@@ -68,7 +68,9 @@ class StepRecorder:
         self.on_step_closed: Callable[[], None] | None = None  # the scope's gather check...
         self.notify_at = 0  # ...called once the gather key (below) reaches this
         self.notify_on_syncs = False  # key: gradient syncs (DDP) or optimizer steps
-        self._memory_every = 8  # host RSS is a syscall: read it every 8th step (its peak only grows)
+        # A high-water mark (host peak RSS, CUDA allocator max) only grows, and reading it costs a syscall or
+        # a stats dict: every 8th step.
+        self._memory_every = 8
         self._last_memory = math.nan
         self._stopped = False
         self.steps_done = 0  # optimizer steps completed, counting those before a resume
@@ -141,12 +143,11 @@ class StepRecorder:
         self._label = label
 
     # -- step bookkeeping -----------------------------------------------------------------------------
-    def use_clock(self, clock: Clock, memory: Callable[[], float], memory_every: int) -> None:
-        """Switch clocks before the first step (e.g. to CUDA events, with the allocator's peak memory)."""
+    def use_clock(self, clock: Clock, memory: Callable[[], float]) -> None:
+        """Switch clocks before the first step (e.g. to CUDA events, with the allocator's high-water mark)."""
         self.clock = clock
         self._now = clock.now
         self._memory = memory
-        self._memory_every = memory_every
 
     def stop(self) -> None:
         """Record nothing more: the open step is dropped and no step opens again (closed steps stay for a

@@ -56,13 +56,7 @@ class Scope:
         clock: Clock | None = None,
         **option_values: Any,
     ) -> None:
-        if options is None:
-            options = ScopeOptions(run_dir=run_dir, **option_values)
-        elif run_dir is not None or option_values:
-            options = options.replace(
-                **({"run_dir": run_dir} if run_dir is not None else {}), **option_values
-            )
-        self.options = options
+        self.options = options = ScopeOptions.resolve(options, run_dir, **option_values)
         self.run_dir: Path | None = options.run_path
         self.integration = integration
         self.flops = StepFlops(options.flops_per_step, options.warmup, precision)
@@ -125,8 +119,9 @@ class Scope:
         internal error those marks record nothing."""
         try:
             if model is not None:
-                if self._clock is None and _on_cuda(model):
-                    self.use_cuda_clock()
+                device = _cuda_device_of(model)
+                if self._clock is None and device is not None:
+                    self.use_cuda_clock(device)
                 self.flops.note_model(model)
                 self.note_parallelism(model)
                 self.hooks.watch_model(model)
@@ -150,10 +145,11 @@ class Scope:
         """Record what `model` is wrapped in (`parallelism.py`); integrations pass the framework's wrapper."""
         self.parallelism = detect(model, current_world_size())
 
-    def use_cuda_clock(self) -> None:
-        """Time phases with CUDA events (execution, not launch), resolved lazily at each gather."""
-        # The allocator peak is reset every step, so it is read every step.
-        self.recorder.use_clock(CudaEventClock(), _cuda_peak_memory, memory_every=1)
+    def use_cuda_clock(self, device: Any = None) -> None:
+        """Time phases with CUDA events on `device` (default: the current one), resolved lazily at each
+        gather; memory is that device's allocator high-water mark, read every 8th step like the host's."""
+        clock = CudaEventClock(device)
+        self.recorder.use_clock(clock, clock.peak_memory)
 
     def watch_backward(self, model: Any) -> None:
         """Time backward and exposed gradient communication from `model`'s parameters (integrations that mark
@@ -321,15 +317,11 @@ class Scope:
         self.recorder.stop()
         self.flops.cancel()
         self.hooks.flop_estimate = None
-        if self.session is not None:
-            self.session.stop_watching()
         message = f"internal error, scope disabled, training continues: {type(exc).__name__}: {exc}"
         self.note_error(message)
         self.coordinator.announce_disabled()
-        reporter = self.session.reporter if self.session is not None else None
-        if reporter is not None:
-            with contextlib.suppress(OSError, ValueError):
-                reporter.error(message)
+        if self.session is not None:
+            self.session.disabled(message)
 
     def note_error(self, message: str, warn: bool = True) -> None:
         self.errors.append(message)
@@ -337,16 +329,10 @@ class Scope:
             print(f"pytscope[rank {self.rank}]: {message}", file=sys.stderr, flush=True)
 
 
-def _on_cuda(model: Any) -> bool:
+def _cuda_device_of(model: Any) -> Any:
+    """The CUDA device of `model`'s first parameter; None off CUDA."""
     try:
-        return next(model.parameters()).is_cuda
+        param = next(model.parameters())
     except (StopIteration, AttributeError):
-        return False
-
-
-def _cuda_peak_memory() -> float:
-    import torch
-
-    peak = float(torch.cuda.max_memory_allocated())
-    torch.cuda.reset_peak_memory_stats()
-    return peak
+        return None
+    return param.device if param.is_cuda else None

@@ -96,7 +96,7 @@ class RunSession:
         device = "cpu"
         mem_limit: float | None = _host_memory()
         if isinstance(scope.recorder.clock, CudaEventClock):
-            props = torch.cuda.get_device_properties(torch.cuda.current_device())
+            props = torch.cuda.get_device_properties(scope.recorder.clock.device)
             device, mem_limit = props.name, float(props.total_memory)
         precision = scope.flops.precision or "bf16"
         return {
@@ -161,6 +161,14 @@ class RunSession:
     def stop_watching(self) -> None:
         if self._watchdog is not None:
             self._watchdog.stop()
+
+    def disabled(self, message: str) -> None:
+        """The scope disabled itself: no more watching for progress (without marks that would call a hang),
+        and the run says why."""
+        self.stop_watching()
+        if self.reporter is not None:
+            with contextlib.suppress(OSError, ValueError):
+                self.reporter.error(message)
 
     def _on_sigterm(self) -> None:
         if self.ingest is not None:  # rank 0: what the other ranks sent is written before the process ends

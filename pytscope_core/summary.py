@@ -169,6 +169,7 @@ class Summary:
                 "peak_bytes": m.peak_bytes,
                 "peak_rank": m.peak_rank,
                 "growth_bytes": m.growth_bytes,
+                "largest_rise_share": m.largest_rise_share,
                 "limit_bytes": m.limit_bytes,
                 "peak_fraction": m.peak_fraction,
             },

@@ -185,7 +185,7 @@ class ScopeCallback(Callback):
         import torch
 
         if pl_module.device.type == "cuda":
-            scope.use_cuda_clock()
+            scope.use_cuda_clock(pl_module.device)
         model = trainer.strategy.model
         scope.note_parallelism(model)  # DDP, FSDP2 (ModelParallelStrategy), FSDP1 (FSDPStrategy), DeepSpeed
         # No optimizer pre-hook: Lightning calls step(closure) before the forward even starts.

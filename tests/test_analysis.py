@@ -305,6 +305,20 @@ def test_memory_growth_and_pressure():
     assert {"MEMORY.GROWTH", "MEMORY.PRESSURE"} <= found
 
 
+def test_a_one_off_peak_in_a_high_water_mark_is_not_growth():
+    # The recorded memory only grows (allocator max, peak RSS): one long batch lifts it for good.
+    ctx = RunContext(world_size=2)
+    phases = np.asarray(make_run(400, 2).phases)
+    for at in (240, 230):  # on a block edge (one rise) and mid-block (two halves)
+        mem = np.where(np.arange(400) < at, 4e9, 5e9)
+        found = codes(diagnose(RunArrays.from_arrays(phases, mem_bytes=mem), ctx, strict=True))
+        assert "MEMORY.GROWTH" not in found, at
+    # A leak that climbs a little with each of several epochs still reads as growth.
+    epochs = np.repeat(4e9 + 0.25e9 * np.arange(8), 50)
+    found = codes(diagnose(RunArrays.from_arrays(phases, mem_bytes=epochs), ctx, strict=True))
+    assert "MEMORY.GROWTH" in found
+
+
 def test_low_mfu_only_when_known():
     arrays = make_run(200, 2)
     assert "EFFICIENCY.LOW_MFU" not in codes(diagnose(arrays, RunContext(world_size=2)))

@@ -242,7 +242,7 @@ def test_live_memory_pressure_fires_where_the_final_report_has_it(tmp_path):
     model = torch.nn.Linear(8, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     scope = Scope(tmp_path, console=False, hang_timeout=None, interval=20, warmup=2)
-    scope.recorder.use_clock(HostClock(), lambda: 0.95 * limit, memory_every=1)  # a process near the limit
+    scope.recorder.use_clock(HostClock(), lambda: 0.95 * limit)  # a process near the limit
     scope.watch(model, opt)
     live_codes = set()
     for _ in range(60):

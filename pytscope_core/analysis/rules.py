@@ -640,6 +640,9 @@ GROWTH_MIN_BYTES = 64 * 2**20
 """...and by >= 64 MiB: allocator caching moves by less."""
 GROWTH_MIN_T = 3.9
 """...and significantly (same one-sided test as the loss trend)."""
+GROWTH_MAX_RISE_SHARE = 0.4
+"""...and spread out: no single rise between consecutive twentieths of the run holds 40% of it (a one-off peak
+lifts a high-water mark in one place, or two when it falls inside a block; a leak climbs in every block)."""
 GROWTH_MED_RELATIVE = 0.25
 
 
@@ -650,6 +653,7 @@ def memory_growth(a: RunAnalysis) -> list[Finding]:
         m.growth_relative >= GROWTH_MIN_RELATIVE
         and m.growth_bytes >= GROWTH_MIN_BYTES
         and m.growth_t >= GROWTH_MIN_T
+        and m.largest_rise_share < GROWTH_MAX_RISE_SHARE
     ):
         return []
     return [
