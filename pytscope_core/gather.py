@@ -138,9 +138,8 @@ class Gatherer:
             self.traffic = Traffic(sent=8 * numbers, received=8)
 
     def barrier(self) -> None:
-        with contextlib.suppress(
-            Exception
-        ):  # best effort at the end of a run, bounded by the group's timeout
+        # Best effort at the end of a run, bounded by the group's timeout.
+        with contextlib.suppress(Exception):
             self._dist.barrier(group=self.group)
 
     def destroy(self, dist_alive: bool = True) -> None:

@@ -119,8 +119,8 @@ class Scope:
         internal error those marks record nothing."""
         try:
             if model is not None:
-                device = _cuda_device_of(model)
-                if self._clock is None and device is not None:
+                device = _cuda_device_of(model) if self._clock is None else None
+                if device is not None:
                     self.use_cuda_clock(device)
                 self.flops.note_model(model)
                 self.note_parallelism(model)
@@ -318,10 +318,10 @@ class Scope:
         self.flops.cancel()
         self.hooks.flop_estimate = None
         message = f"internal error, scope disabled, training continues: {type(exc).__name__}: {exc}"
+        if self.session is not None:
+            self.session.disabled(message)  # the watchdog stops first, as before anything else can block
         self.note_error(message)
         self.coordinator.announce_disabled()
-        if self.session is not None:
-            self.session.disabled(message)
 
     def note_error(self, message: str, warn: bool = True) -> None:
         self.errors.append(message)
