@@ -220,14 +220,17 @@ class StepRecorder:
         self._fingerprint = None
 
     def _close_step(self) -> None:
-        self._marks.append(_STEP_END)
-        self._stamps.append(self._now())
+        # The recorder's own work (counters, the memory read, the closed tuple) comes before the step's last
+        # stamp: it is billed to the step it serves, so the step times add up to the loop's own wall time.
         self.steps_done += 1
         self.grad_syncs += self._step_syncs
         self.micro_batches += self._step_micro
         if self.steps_done % self._memory_every == 0 or self._last_memory != self._last_memory:
             self._last_memory = self._memory()
-        self.window.append(self._as_closed(self.steps_done, self._marks, self._stamps))
+        closed = self._as_closed(self.steps_done, self._marks, self._stamps)  # shares the lists: the end
+        self._marks.append(_STEP_END)  # stamp below belongs to it
+        self._stamps.append(self._now())
+        self.window.append(closed)
         self._open = False
         self._stepped = False
 

@@ -74,3 +74,26 @@ def test_tensor_losses_are_resolved_only_at_drain():
     rec.close()
     rows = rec.drain(0, 0, 0.0)
     assert math.isinf(rows[0, COL["loss"]])
+
+
+def test_the_recorders_own_work_is_inside_the_step_it_serves():
+    """Time the recorder spends closing a step (here a slow memory read) must land in that step, not in the
+    gap before the next one: step walls then add up to the loop's wall time."""
+    clock = FakeClock(step_ns=1_000)
+
+    def slow_memory():
+        clock.t += 5_000_000  # a 5 ms read
+        return 1.0
+
+    rec = StepRecorder(clock=clock, memory=slow_memory, host_ns=lambda: 0)
+    for _ in range(3):
+        micro_batch(rec)
+        rec.mark(Mark.OPTIMIZER_BEGIN)
+        rec.optimizer_stepped()
+    rec.close()
+    closed = list(rec.window)
+    assert len(closed) == 3
+    for before, after in zip(closed, closed[1:], strict=False):
+        assert after.stamps[0] - before.stamps[-1] < 1_000_000  # no read between a step's end and the next
+    first = rec.drain(rank=0, segment=0, epoch_offset_s=0.0)[0]
+    assert first[COL["wall_ms"]] >= 5.0  # the first step reads memory (nothing read yet) and pays for it
