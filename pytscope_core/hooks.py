@@ -290,10 +290,11 @@ class TorchHooks:
 
     def _note_batch(self, batch: Any) -> None:
         """The batch's size (samples per step) and, on the steps that take one, its fingerprint."""
-        if type(batch) in (tuple, list) and batch and hasattr(batch[0], "shape"):  # (inputs, targets)
-            batch = batch[0]
-        t = first_tensor(batch)
+        t = batch[0] if type(batch) in (tuple, list) and batch else batch  # (inputs, targets): the inputs
         shape = getattr(t, "shape", None)
+        if shape is None or not hasattr(t, "dtype"):  # not a tensor there: search the batch
+            t = first_tensor(batch)
+            shape = getattr(t, "shape", None)
         self._batch_samples = float(shape[0]) if shape is not None and len(shape) > 0 else math.nan
         if self.recorder.wants_fingerprint:
             self.recorder.set_fingerprint(fingerprint(t))
