@@ -32,6 +32,8 @@ class PhaseChange:
     share_b: float
     median_ms_a: float
     median_ms_b: float
+    measured_a: bool = True  # False: the run could not time this phase (comm under FSDP1, DeepSpeed ...)
+    measured_b: bool = True
 
     @property
     def share_change(self) -> float:
@@ -69,6 +71,8 @@ class Comparison:
     appeared: tuple[Finding, ...]  # in B, not in A (by code and ranks)
     disappeared: tuple[Finding, ...]  # in A, not in B
     unchanged: tuple[Finding, ...]  # in both (B's version)
+    comm_note_a: str | None = None  # why run A's communication is not measured, when it is not
+    comm_note_b: str | None = None
 
     @property
     def median_change_pct(self) -> float:
@@ -86,8 +90,18 @@ class Comparison:
 
     def to_dict(self) -> dict[str, Any]:
         out = {
-            "a": {"run": self.name_a, "world_size": self.world_size_a, "steps": self.steps_a},
-            "b": {"run": self.name_b, "world_size": self.world_size_b, "steps": self.steps_b},
+            "a": {
+                "run": self.name_a,
+                "world_size": self.world_size_a,
+                "steps": self.steps_a,
+                "comm_measured": self.comm_note_a is None,
+            },
+            "b": {
+                "run": self.name_b,
+                "world_size": self.world_size_b,
+                "steps": self.steps_b,
+                "comm_measured": self.comm_note_b is None,
+            },
             "timing": {
                 "median_ms": {
                     "a": self.median_ms_a,
@@ -102,6 +116,8 @@ class Comparison:
                         "share_change_points": p.share_change,
                         "median_ms_a": p.median_ms_a,
                         "median_ms_b": p.median_ms_b,
+                        "measured_a": p.measured_a,
+                        "measured_b": p.measured_b,
                     }
                     for p in self.phases
                 },
@@ -136,10 +152,23 @@ def pct_change(a: float, b: float) -> float:
 def compare_summaries(a: Summary, b: Summary, name_a: str = "A", name_b: str = "B") -> Comparison:
     """The comparison of two summaries (B relative to A); `compare_runs` summarises and delegates here."""
     phases_b = {p.name: p for p in b.timing.phases}
-    phases = tuple(
-        PhaseChange(p.name, p.share, phases_b[p.name].share, p.median_ms, phases_b[p.name].median_ms)
-        for p in a.timing.phases
-    )
+    phases = []
+    for p in a.timing.phases:
+        pb = phases_b[p.name]
+        measured_a = p.name != "comm" or a.run.comm_measured
+        measured_b = p.name != "comm" or b.run.comm_measured
+        nan = math.nan
+        phases.append(
+            PhaseChange(
+                p.name,
+                p.share if measured_a else nan,
+                pb.share if measured_b else nan,
+                p.median_ms if measured_a else nan,
+                pb.median_ms if measured_b else nan,
+                measured_a,
+                measured_b,
+            )
+        )
     ranks_a = {r.rank: r for r in a.distributed.per_rank}
     ranks_b = {r.rank: r for r in b.distributed.per_rank}
     ranks = []
@@ -167,11 +196,13 @@ def compare_summaries(a: Summary, b: Summary, name_a: str = "A", name_b: str = "
         median_ms_b=b.timing.median_ms,
         p95_ms_a=a.timing.p95_ms,
         p95_ms_b=b.timing.p95_ms,
-        phases=phases,
+        phases=tuple(phases),
         ranks=tuple(ranks),
         appeared=tuple(f for f in b.findings if f.key not in keys_a),
         disappeared=tuple(f for f in a.findings if f.key not in keys_b),
         unchanged=tuple(f for f in b.findings if f.key in keys_a),
+        comm_note_a=a.run.comm_note,
+        comm_note_b=b.run.comm_note,
     )
 
 
@@ -206,6 +237,9 @@ def render_comparison(c: Comparison) -> RenderableType:
         Text(f"A: {c.name_a}  ({c.world_size_a} ranks, {c.steps_a} counted steps)"),
         Text(f"B: {c.name_b}  ({c.world_size_b} ranks, {c.steps_b} counted steps)"),
     ]
+    for label, note in (("A", c.comm_note_a), ("B", c.comm_note_b)):
+        if note:
+            parts.append(Text(f"{label}: {note}", style="yellow"))
     timing = Table(box=None, pad_edge=False)
     for name in ("", "A", "B", "change"):
         timing.add_column(name, justify="left" if not name else "right")
@@ -219,8 +253,8 @@ def render_comparison(c: Comparison) -> RenderableType:
     for p in c.phases:
         phases.add_row(
             p.name,
-            _fmt(100 * p.share_a, ".1f", "%"),
-            _fmt(100 * p.share_b, ".1f", "%"),
+            _fmt(100 * p.share_a, ".1f", "%") if p.measured_a else "not measured",
+            _fmt(100 * p.share_b, ".1f", "%") if p.measured_b else "not measured",
             _signed(p.share_change, " pts"),
             _fmt(p.median_ms_a),
             _fmt(p.median_ms_b),

@@ -165,6 +165,8 @@ def scaling_points(runs: Sequence[Run], target_loss: float | None = None, weak: 
         speedup = throughputs[k] / base_t if base_t > 0 else math.nan
         efficiency = speedup / (w / base_w)
         shares = {p.name: p.share for p in s.timing.phases}
+        if not s.run.comm_measured:
+            shares["comm"] = math.nan
         seconds, step = time_to_target(runs[i], target_loss) if target_loss is not None else (None, None)
         per_rank = work[k][3]
         points.append(
@@ -187,6 +189,10 @@ def scaling_points(runs: Sequence[Run], target_loss: float | None = None, weak: 
                 step_at_target=step,
             )
         )
+    blind = [
+        (str(runs[i].path), summaries[i].run.comm_note) for i in order if not summaries[i].run.comm_measured
+    ]
+    warnings.extend(f"{path}: {note} (its comm and wait: n/a)" for path, note in blind)
     if target_loss is not None:
         never = [p.run for p in points if p.seconds_to_target is None]
         if never:

@@ -36,11 +36,12 @@ def write_run(
     warmup: int = 0,
     findings: tuple[Finding, ...] = (),
     t0: float = T0,
+    meta: dict | None = None,
 ) -> Path:
     """Write `phases` (S, R, 6 ms) as a run: steps back to back from `t0`, every rank starting together.
 
     `loss` is (S,) or (S, R); `samples` a per-rank batch size (scalar or (S, R)); `segment` (S,) restarts.
-    `findings` are stored as integration findings, so every command sees them.
+    `findings` are stored as integration findings, so every command sees them; `meta` adds to meta.json.
     """
     s, r, _ = phases.shape
     wall = phases.sum(axis=2)
@@ -61,7 +62,9 @@ def write_run(
         rows[:, :, COL["samples"]] = samples
     rows[:, :, COL["grad_syncs"]] = 1.0
     rows[:, :, COL["micro_batches"]] = 1.0
-    writer = RunWriter(path, {"world_size": r, "warmup": warmup, "interval": 50, "device": "cpu"})
+    writer = RunWriter(
+        path, {"world_size": r, "warmup": warmup, "interval": 50, "device": "cpu", **(meta or {})}
+    )
     writer.append_rows(rows.reshape(-1, NCOLS))
     for f in findings:
         writer.event("finding", step=s, source="integration", finding=f.to_dict())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 
 import pytest
 from runfactory import phases_of, write_run
@@ -100,3 +101,29 @@ def test_bad_input_exits_2_with_one_line(pair, tmp_path, capsys, make):
 def test_bad_threshold_exits_2(pair, capsys):
     assert main(["compare", *map(str, pair), "--fail-on-regression", "-3"]) == 2
     assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+def test_communication_not_measured_in_one_run_is_not_a_change(tmp_path, capsys):
+    """A DDP run against the same job under FSDP1, where communication hides in compute: B's comm is unknown,
+    so no share change is claimed, and both the console and the JSON say why."""
+    ph = phases_of(STEPS, 2, {"data": 1.0, "forward": 4.0, "backward": 4.0, "comm": 0.5, "optimizer": 0.5})
+    blind = {"parallelism": "fsdp1", "comm_measured": False}
+    a = write_run(tmp_path / "a", ph)
+    b = write_run(tmp_path / "b", ph, meta=blind)
+    c = compare_runs(load_run(a), load_run(b))
+    comm = next(p for p in c.phases if p.name == "comm")
+    assert comm.measured_a and not comm.measured_b
+    assert comm.share_a == pytest.approx(0.05) and math.isnan(comm.share_b) and math.isnan(comm.share_change)
+    assert all(p.measured_a and p.measured_b for p in c.phases if p.name != "comm")
+    assert c.comm_note_a is None and "FSDP1" in (c.comm_note_b or "")
+    from rich.console import Console
+
+    console = Console(file=io.StringIO(), width=160, color_system=None)
+    console.print(render_comparison(c))
+    text = console.file.getvalue()
+    assert "not measured" in text.split("Phases")[1] and "B: communication not measured" in text
+    assert main(["compare", str(a), str(b), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["a"]["comm_measured"] and not data["b"]["comm_measured"]
+    assert data["timing"]["phases"]["comm"]["share_b"] is None
+    assert data["timing"]["phases"]["comm"]["measured_b"] is False

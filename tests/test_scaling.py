@@ -19,11 +19,13 @@ GLOBAL_BATCH = 64
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-def _run(tmp_path, w: int, per_rank_batch: float | None, loss=None, name: str | None = None):
+def _run(tmp_path, w: int, per_rank_batch: float | None, loss=None, name: str | None = None, meta=None):
     comm = STEP_MS[w] - 10.0
     ph = phases_of(STEPS, w, {"data": 1.0, "forward": 4.0, "backward": 4.0, "comm": comm, "optimizer": 1.0})
     ph[:WARMUP] *= 10  # slow warm-up steps must not count in throughput
-    return write_run(tmp_path / (name or f"w{w}"), ph, samples=per_rank_batch, loss=loss, warmup=WARMUP)
+    return write_run(
+        tmp_path / (name or f"w{w}"), ph, samples=per_rank_batch, loss=loss, warmup=WARMUP, meta=meta
+    )
 
 
 @pytest.fixture
@@ -153,3 +155,20 @@ def test_bad_input_exits_2_with_one_line(tmp_path, capsys, make):
 def test_bad_target_loss_exits_2(tmp_path, capsys):
     rc = main(["scaling", str(_run(tmp_path, 1, 64.0)), "--target-loss", "nan"])
     assert rc == 2 and len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+def test_a_run_whose_communication_is_not_measured_says_so(tmp_path, capsys):
+    """FSDP1 (or DeepSpeed) hides communication in compute: its comm and wait are unknown, not zero."""
+    blind = {"parallelism": "fsdp1", "comm_measured": False}
+    runs = [_run(tmp_path, 1, 64.0), _run(tmp_path, 4, 16.0, meta=blind)]
+    s = scaling_points([load_run(p) for p in runs])
+    measured, four = s.points
+    assert measured.comm_share == pytest.approx(0.0) and four.world_size == 4
+    assert np.isnan(four.comm_share) and np.isnan(four.sync_wait_share)
+    assert np.isnan(four.phase_shares["comm"])
+    assert four.throughput == pytest.approx(64 / 0.0125)  # throughput does not depend on the phases
+    (warning,) = s.warnings
+    assert str(runs[1]) in warning and "FSDP1" in warning and "not measured" in warning
+    assert main(["scaling", *map(str, runs), "--json"]) == 0
+    point = json.loads(capsys.readouterr().out)["points"][1]
+    assert point["comm_share"] is None and point["phases"]["comm"] is None
