@@ -28,7 +28,12 @@ from .context import Segment
 from .coordinator import DISABLED_KEY, STORE_PREFIX, default_store, dist_alive
 from .findings import Finding
 from .signals import SigtermChain
-from .watchdog import AUTO_MIN_S, AUTO_STEP_FACTOR, Watchdog  # now: it binds the clocks before user code
+from .watchdog import (
+    AUTO_MIN_S,
+    AUTO_STEP_FACTOR,
+    AUTO_WARMUP_S,
+    Watchdog,
+)  # now: it binds the clocks before user code
 
 if TYPE_CHECKING:
     from .scope import Scope
@@ -137,6 +142,7 @@ class RunSession:
             disabled_key=DISABLED_KEY,
             flush=self.flush_own_rows,
             placement=coordinator.placement if self.rank == 0 else None,
+            warmup_timeout_s=self._warmup_hang_timeout_s,
         )
         self._watchdog.start()
 
@@ -147,9 +153,17 @@ class RunSession:
         timeout = scope.options.hang_timeout
         if timeout != "auto":
             return float(timeout)  # type: ignore[arg-type]
-        if scope.recorder.steps_done - scope.resumed_from_step <= scope.options.warmup:
+        if self._in_warmup():
             return None
         return max(AUTO_MIN_S, AUTO_STEP_FACTOR * self._watchdog.slowest_step_s)
+
+    def _warmup_hang_timeout_s(self) -> float | None:
+        """ "auto" during warm-up: a wait of AUTO_WARMUP_S inside a collective (see the watchdog)."""
+        return AUTO_WARMUP_S if self.scope.options.hang_timeout == "auto" and self._in_warmup() else None
+
+    def _in_warmup(self) -> bool:
+        scope = self.scope
+        return scope.recorder.steps_done - scope.resumed_from_step <= scope.options.warmup
 
     def _report_hang(self, finding: Finding) -> None:
         """Called from rank 0's watchdog thread while the main thread is blocked: the gathers already handed to

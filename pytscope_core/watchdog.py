@@ -45,6 +45,10 @@ of the timeout late, whatever the world size."""
 STOP_WAIT_S = 5.0  # at finish, how long to wait for a store call in flight before leaving the thread
 AUTO_MIN_S = 120.0  # "auto" timeout floor: startup, compilation and first checkpoints stay clear of it
 AUTO_STEP_FACTOR = 20.0  # "auto" timeout: this many times the slowest step seen after warm-up
+AUTO_WARMUP_S = 300.0
+""""auto" during warm-up, when step times say nothing yet (compilation, loader start-up, first checkpoints):
+only ranks stuck this long inside a collective make a hang. Every rank compiling or loading never does; a
+first all-reduce that some ranks wait in for 5 minutes is a hang however slow the others' start."""
 PAUSE_FACTOR = 4.0  # a rank paused (validation, checkpoint) gets this many timeouts before it counts as stuck
 DUMP_WAIT_S = 5.0  # how long the aborting ranks wait for the others' stack dumps
 
@@ -82,8 +86,10 @@ def classify_hang(
     world_size: int,
     timeout_s: float,
     placement: Placement | None = None,
+    collective_only: bool = False,
 ) -> Finding | None:
-    """DIST.HANG from every rank's latest heartbeat, or None while any rank still progresses.
+    """DIST.HANG from every rank's latest heartbeat, or None while any rank still progresses (or, with
+    `collective_only`, the warm-up rule, while no rank waits in a collective).
 
     A heartbeat: {"step", "phase", "idle_s" (seconds without progress, as of publishing), "age_s" (how old
     the heartbeat is), "syncs"}. A rank without a heartbeat, or whose heartbeat went stale, is missing.
@@ -97,6 +103,8 @@ def classify_hang(
         if b is not None and progressing(b, timeout_s):
             return None  # someone is still making progress: slow, not hung
     waiting = sorted(r for r, b in beats.items() if b["phase"] in WAITING_PHASES)
+    if collective_only and not waiting:
+        return None
     missing = sorted(r for r in range(world_size) if r not in waiting)
     allreduce = _waited_in(beats, waiting)
     if waiting and missing:
@@ -129,11 +137,16 @@ def classify_hang(
             list(range(world_size)),
             max((_label(b) for b in beats.values()), default=1),
         )
+    limit = (
+        f"during warm-up: {timeout_s:.0f} s inside a collective"
+        if collective_only
+        else f"hang_timeout {timeout_s:.0f} s"
+    )
     return Finding(
         code="DIST.HANG",
         severity=Severity.HIGH,
         title=title,
-        detail=detail + f" (hang_timeout {timeout_s:.0f} s; stacks of every live rank are in stacks/)",
+        detail=f"{detail} ({limit}; stacks of every live rank are in stacks/)",
         recommendation=(
             "Read the missing rank's stack first: a blocked data loader, a rank that skipped a batch "
             "(uneven shards, a data-dependent `continue`), or a rank-dependent branch around backward."
@@ -230,6 +243,7 @@ class Watchdog(threading.Thread):
         disabled_key: str | None = None,
         flush: Callable[[str], None] | None = None,
         placement: Placement | None = None,
+        warmup_timeout_s: Callable[[], float | None] | None = None,
     ) -> None:
         super().__init__(name="pytscope-watchdog", daemon=True)
         self.recorder = recorder
@@ -237,7 +251,8 @@ class Watchdog(threading.Thread):
         self.rank = rank
         self.world_size = world_size
         self.run_dir = run_dir
-        self.timeout_s = timeout_s
+        self.timeout_s = timeout_s  # None: no hang detection now...
+        self.warmup_timeout_s = warmup_timeout_s  # ...unless this gives one, for collective waits only
         self.on_hang = on_hang
         self.report = report
         self.prefix = prefix
@@ -264,10 +279,17 @@ class Watchdog(threading.Thread):
     def period(self) -> float:
         """Seconds until the next beat (and, on rank 0, the next check): see `beat_period`."""
         try:
-            timeout = self.timeout_s()
+            timeout = self._timeout()[0]
         except Exception:  # "auto" reads the recorder: never let that stop the heartbeat
             timeout = None
         return beat_period(self.world_size, timeout)
+
+    def _timeout(self) -> tuple[float | None, bool]:
+        """The timeout in force, and whether only ranks waiting in a collective count (the warm-up rule)."""
+        timeout = self.timeout_s()
+        if timeout is None and self.warmup_timeout_s is not None:
+            return self.warmup_timeout_s(), True
+        return timeout, False
 
     def run(self) -> None:
         while not self.stopped.wait(self.period()):
@@ -325,7 +347,7 @@ class Watchdog(threading.Thread):
             self.store.set(f"{self.prefix}/hb/{self.rank}", json.dumps(self._local_beat))
 
     def _check(self) -> Finding | None:
-        timeout = self.timeout_s()
+        timeout, collective_only = self._timeout()
         if timeout is None:
             return None
         beats: dict[int, dict[str, Any]] = {0: {**self._local_beat, "age_s": 0.0}}
@@ -338,7 +360,7 @@ class Watchdog(threading.Thread):
                 b = json.loads(raw)
                 b["age_s"] = max(0.0, now - float(b["t"]))
                 beats[r + 1] = b
-        return classify_hang(beats, self.world_size, timeout, self.placement)
+        return classify_hang(beats, self.world_size, timeout, self.placement, collective_only)
 
     def _peer_disabled(self) -> bool:
         return (

@@ -31,6 +31,10 @@ def _main(rank: int, world: int, port: int, o: dict[str, Any]) -> None:
     from pytscope_core import Scope
 
     torch.set_num_threads(1)
+    if o.get("warmup_hang_s"):  # the warm-up hang rule's 5 minutes, shortened for a test
+        import pytscope_core.session
+
+        pytscope_core.session.AUTO_WARMUP_S = o["warmup_hang_s"]
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.manual_seed(0)
