@@ -152,12 +152,12 @@ def pct_change(a: float, b: float) -> float:
 def compare_summaries(a: Summary, b: Summary, name_a: str = "A", name_b: str = "B") -> Comparison:
     """The comparison of two summaries (B relative to A); `compare_runs` summarises and delegates here."""
     phases_b = {p.name: p for p in b.timing.phases}
+    nan = math.nan
     phases = []
     for p in a.timing.phases:
         pb = phases_b[p.name]
         measured_a = p.name != "comm" or a.run.comm_measured
         measured_b = p.name != "comm" or b.run.comm_measured
-        nan = math.nan
         phases.append(
             PhaseChange(
                 p.name,

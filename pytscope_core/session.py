@@ -28,12 +28,7 @@ from .context import Segment
 from .coordinator import DISABLED_KEY, STORE_PREFIX, default_store, dist_alive
 from .findings import Finding
 from .signals import SigtermChain
-from .watchdog import (
-    AUTO_MIN_S,
-    AUTO_STEP_FACTOR,
-    AUTO_WARMUP_S,
-    Watchdog,
-)  # now: it binds the clocks before user code
+from .watchdog import AUTO_MIN_S, AUTO_STEP_FACTOR, AUTO_WARMUP_S, Watchdog  # now: it binds the clocks early
 
 if TYPE_CHECKING:
     from .scope import Scope
@@ -158,7 +153,7 @@ class RunSession:
         return max(AUTO_MIN_S, AUTO_STEP_FACTOR * self._watchdog.slowest_step_s)
 
     def _warmup_hang_timeout_s(self) -> float | None:
-        """ "auto" during warm-up: a wait of AUTO_WARMUP_S inside a collective (see the watchdog)."""
+        """Under "auto", during warm-up: a wait of AUTO_WARMUP_S inside a collective (see the watchdog)."""
         return AUTO_WARMUP_S if self.scope.options.hang_timeout == "auto" and self._in_warmup() else None
 
     def _in_warmup(self) -> bool:
