@@ -40,12 +40,16 @@ def fingerprint(tensor: Any) -> Any:
     CPU tensors give a numpy copy; other devices a small tensor left on the device until the gather."""
     if tensor is None:
         return None
+    if isinstance(tensor, np.ndarray):  # a loader that yields numpy arrays
+        if tensor.size == 0 or tensor.dtype.hasobject:
+            return None
+        return tensor.shape, tensor.reshape(-1)[_positions(tensor.size)]
+    if not hasattr(tensor, "numel"):  # another array type: no fingerprint
+        return None
     n = int(tensor.numel())
     if n == 0:
         return None
-    positions = _POSITIONS.get(n)
-    if positions is None:
-        positions = _POSITIONS.setdefault(n, np.linspace(0, n - 1, SAMPLES).astype(np.int64))
+    positions = _positions(n)
     if tensor.device.type == "cpu":
         try:  # numpy's indexing costs a fraction of torch's per-call dispatch
             return tensor.shape, tensor.numpy().reshape(-1)[positions]
@@ -55,6 +59,13 @@ def fingerprint(tensor: Any) -> Any:
 
     flat = tensor.detach().reshape(-1)
     return tensor.shape, flat[torch.from_numpy(positions).to(flat.device)].float()
+
+
+def _positions(n: int) -> np.ndarray:
+    positions = _POSITIONS.get(n)
+    if positions is None:
+        positions = _POSITIONS.setdefault(n, np.linspace(0, n - 1, SAMPLES).astype(np.int64))
+    return positions
 
 
 def resolve_fingerprints(prints: list[Any]) -> list[float]:

@@ -260,6 +260,15 @@ def render_comparison(c: Comparison) -> RenderableType:
             _fmt(p.median_ms_b),
         )
     parts += [Text("\nPhases", style="bold underline"), phases]
+    blind = [label for label, note in (("A", c.comm_note_a), ("B", c.comm_note_b)) if note]
+    if len(blind) == 1:
+        parts.append(
+            Text(
+                f"run {blind[0]}'s forward and backward include its unmeasured communication: their change is not "
+                "a change in compute alone",
+                style="yellow",
+            )
+        )
 
     rows = list(c.ranks)
     omitted = 0

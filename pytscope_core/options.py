@@ -40,7 +40,8 @@ class ScopeOptions:
         default="auto",
         metadata=_doc(
             'seconds without progress on every rank before `DIST.HANG`; `"auto"`: after warm-up, the larger '
-            "of 120 s and 20x the slowest step; `None`: no hang detection"
+            "of 120 s and 20x the slowest step; during warm-up, 300 s inside a collective that some rank never "
+            "reached (see *Hangs*); `None`: no hang detection"
         ),
     )
     on_hang: str = field(

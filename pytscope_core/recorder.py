@@ -220,19 +220,22 @@ class StepRecorder:
         self._fingerprint = None
 
     def _close_step(self) -> None:
-        # The recorder's own work (counters, the memory read, the closed tuple) comes before the step's last
-        # stamp: it is billed to the step it serves, so the step times add up to the loop's own wall time.
-        self.steps_done += 1
+        # The recorder's own work (the memory read, the closed tuple) comes before the step's last stamp: it
+        # is billed to the step it serves, so the step times add up to the loop's own wall time.
+        done = self.steps_done + 1
+        if done % self._memory_every == 0 or self._last_memory != self._last_memory:
+            self._last_memory = self._memory()
+        closed = self._as_closed(done, self._marks, self._stamps)  # shares the lists: the end stamp
+        self._marks.append(_STEP_END)  # below belongs to it
+        self._stamps.append(self._now())
+        # A SIGTERM handler may read `pending_rows` between any two lines: the step is in the window or the
+        # open stepped step, one statement apart, and the counters move after it.
+        self.window.append(closed)
+        self._stepped = False
+        self._open = False
+        self.steps_done = done
         self.grad_syncs += self._step_syncs
         self.micro_batches += self._step_micro
-        if self.steps_done % self._memory_every == 0 or self._last_memory != self._last_memory:
-            self._last_memory = self._memory()
-        closed = self._as_closed(self.steps_done, self._marks, self._stamps)  # shares the lists: the end
-        self._marks.append(_STEP_END)  # stamp below belongs to it
-        self._stamps.append(self._now())
-        self.window.append(closed)
-        self._open = False
-        self._stepped = False
 
     def _as_closed(self, steps_done: int, marks: list[int], stamps: list[Any]) -> ClosedStep:
         return ClosedStep(

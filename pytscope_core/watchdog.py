@@ -47,12 +47,14 @@ AUTO_MIN_S = 120.0  # "auto" timeout floor: startup, compilation and first check
 AUTO_STEP_FACTOR = 20.0  # "auto" timeout: this many times the slowest step seen after warm-up
 AUTO_WARMUP_S = 300.0
 """"auto" during warm-up, when step times say nothing yet (compilation, loader start-up, first checkpoints):
-only ranks stuck this long inside a collective make a hang. Every rank compiling or loading never does; a
-first all-reduce that some ranks wait in for 5 minutes is a hang however slow the others' start."""
+only ranks stuck this long inside a collective that another rank never reached make a hang. Every rank
+compiling or loading never does, nor every rank inside one collective (a compile can sit between an FSDP2
+unit's collective marks)."""
 PAUSE_FACTOR = 4.0  # a rank paused (validation, checkpoint) gets this many timeouts before it counts as stuck
 DUMP_WAIT_S = 5.0  # how long the aborting ranks wait for the others' stack dumps
 
 WAITING_PHASES = ("comm", "gather", "collective")  # blocked in a collective, waiting for peers
+TRAINING_COLLECTIVES = ("comm", "collective")  # the warm-up rule's: pytscope's own gather has its own timeout
 _PHASE_OF_MARK = {
     Mark.STEP_START: "data",
     Mark.DATA_BEGIN: "data",
@@ -89,7 +91,8 @@ def classify_hang(
     collective_only: bool = False,
 ) -> Finding | None:
     """DIST.HANG from every rank's latest heartbeat, or None while any rank still progresses (or, with
-    `collective_only`, the warm-up rule, while no rank waits in a collective).
+    `collective_only`, the warm-up rule, unless some ranks wait in a training collective that others never
+    reached).
 
     A heartbeat: {"step", "phase", "idle_s" (seconds without progress, as of publishing), "age_s" (how old
     the heartbeat is), "syncs"}. A rank without a heartbeat, or whose heartbeat went stale, is missing.
@@ -102,10 +105,11 @@ def classify_hang(
         idle[r] = float("inf") if b is None else _idle(b)
         if b is not None and progressing(b, timeout_s):
             return None  # someone is still making progress: slow, not hung
-    waiting = sorted(r for r, b in beats.items() if b["phase"] in WAITING_PHASES)
-    if collective_only and not waiting:
-        return None
+    phases = TRAINING_COLLECTIVES if collective_only else WAITING_PHASES
+    waiting = sorted(r for r, b in beats.items() if b["phase"] in phases)
     missing = sorted(r for r in range(world_size) if r not in waiting)
+    if collective_only and not (waiting and missing):
+        return None  # the warm-up rule: only ranks left waiting by others make a hang
     allreduce = _waited_in(beats, waiting)
     if waiting and missing:
         syncs = max(int(beats[r]["syncs"]) for r in waiting) + 1

@@ -122,6 +122,7 @@ def test_communication_not_measured_in_one_run_is_not_a_change(tmp_path, capsys)
     console.print(render_comparison(c))
     text = console.file.getvalue()
     assert "not measured" in text.split("Phases")[1] and "B: communication not measured" in text
+    assert "run B's forward and backward include its unmeasured communication" in text
     assert main(["compare", str(a), str(b), "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["a"]["comm_measured"] and not data["b"]["comm_measured"]

@@ -84,13 +84,13 @@ def test_a_hang_during_warm_up_is_found_with_the_default_timeout(tmp_path):
     # all-reduces is still named (the 5-minute warm-up rule, shortened here).
     with pytest.raises(mp.ProcessExitedException) as info:
         ddp_worker.run(
-            2, dict(run_dir=str(tmp_path), steps=20, block_at=3, hang_timeout="auto", warmup_hang_s=3.0)
+            2, dict(run_dir=str(tmp_path), steps=20, block_at=3, hang_timeout="auto", warmup_hang_s=8.0)
         )
     assert info.value.exit_code == HANG_EXIT_CODE
     s = report(tmp_path)
     (hang,) = [f for f in s["findings"] if f["severity"] == "HIGH"]
     assert hang["code"] == "DIST.HANG" and hang["ranks"] == [1] and hang["steps"] == [3]
-    assert "during warm-up: 3 s inside a collective" in hang["detail"]
+    assert "during warm-up: 8 s inside a collective" in hang["detail"]
     assert "spin" in (tmp_path / "stacks" / "rank1.txt").read_text()
 
 

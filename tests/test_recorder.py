@@ -97,3 +97,27 @@ def test_the_recorders_own_work_is_inside_the_step_it_serves():
         assert after.stamps[0] - before.stamps[-1] < 1_000_000  # no read between a step's end and the next
     first = rec.drain(rank=0, segment=0, epoch_offset_s=0.0)[0]
     assert first[COL["wall_ms"]] >= 5.0  # the first step reads memory (nothing read yet) and pays for it
+
+
+def test_a_loader_of_numpy_arrays_is_sized_and_fingerprinted():
+    """Batches of numpy arrays (a common hand-written loader): the step's samples and the fingerprint taken
+    every 8th step come from the first array, and nothing raises (which would disable the scope)."""
+    import numpy as np
+
+    from pytscope_core.hooks import TorchHooks
+
+    errors: list[BaseException] = []
+    rec = StepRecorder(clock=FakeClock(), memory=lambda: 1.0, host_ns=lambda: 0)
+    hooks = TorchHooks(rec, errors.append)
+    for step in range(2):
+        hooks.data_begin()
+        hooks.data_end((np.arange(32.0).reshape(8, 4) + step, np.zeros(8)))
+        rec.mark(Mark.FORWARD_BEGIN)
+        hooks.forward_done(None, grad_sync=False)
+        rec.mark(Mark.OPTIMIZER_BEGIN)
+        rec.optimizer_stepped()
+    rec.close()
+    rows = rec.drain(rank=0, segment=0, epoch_offset_s=0.0)
+    assert errors == []
+    assert list(rows[:, COL["samples"]]) == [8.0, 8.0]
+    assert math.isfinite(rows[0, COL["batch_fp"]]) and math.isnan(rows[1, COL["batch_fp"]])
