@@ -75,8 +75,8 @@ PHASE_SUM_TOLERANCE = 0.01
 STEP_TOLERANCE = 0.02
 """The issue's bound on pytscope's median step against the loop's own timing. Both time the same intervals
 (loop top to loop top, microseconds apart); the recorder's own bookkeeping is inside the step it closes, so
-neither runs systematically low: -0.8% to +0.6% measured at 1-2 ms CPU steps (quick mode, plain loop and
-Lightning, 3 runs on an idle 2-core machine)."""
+neither runs systematically low: -0.9% to +0.6% measured at 1-2 ms CPU steps (quick mode, plain loop and
+Lightning, 5 runs on an idle 2-core machine)."""
 STEP_SMOKE_TOLERANCE = 0.10
 """Quick runs on CPU: 1 ms steps on 2 cores shared with other multi-process test runs measured -8% once
 (Lightning); only a gross error fails, such as a phase or a whole step missing from the timeline."""
