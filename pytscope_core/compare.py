@@ -237,9 +237,8 @@ def render_comparison(c: Comparison) -> RenderableType:
         Text(f"A: {c.name_a}  ({c.world_size_a} ranks, {c.steps_a} counted steps)"),
         Text(f"B: {c.name_b}  ({c.world_size_b} ranks, {c.steps_b} counted steps)"),
     ]
-    for label, note in (("A", c.comm_note_a), ("B", c.comm_note_b)):
-        if note:
-            parts.append(Text(f"{label}: {note}", style="yellow"))
+    blind = {label: note for label, note in (("A", c.comm_note_a), ("B", c.comm_note_b)) if note}
+    parts.extend(Text(f"{label}: {note}", style="yellow") for label, note in blind.items())
     timing = Table(box=None, pad_edge=False)
     for name in ("", "A", "B", "change"):
         timing.add_column(name, justify="left" if not name else "right")
@@ -260,11 +259,10 @@ def render_comparison(c: Comparison) -> RenderableType:
             _fmt(p.median_ms_b),
         )
     parts += [Text("\nPhases", style="bold underline"), phases]
-    blind = [label for label, note in (("A", c.comm_note_a), ("B", c.comm_note_b)) if note]
     if len(blind) == 1:
         parts.append(
             Text(
-                f"run {blind[0]}'s forward and backward include its unmeasured communication: their change is not "
+                f"run {next(iter(blind))}'s forward and backward include its unmeasured communication: their change is not "
                 "a change in compute alone",
                 style="yellow",
             )
