@@ -1,7 +1,10 @@
 """Backward and exposed gradient communication, timed from the autograd engine with nothing per step.
 
 Persistent gradient-ready hooks on the parameters whose gradients come first mark the start of backward and
-queue an autograd engine final callback. That callback runs when the graph has finished computing ("graph
+queue an autograd engine final callback. A backward that none of them saw (a branch of the model, e.g. one
+of several task heads, that the hooked parameters are not in) is noticed when the next forward ends or the
+optimizer steps: its gradient sync is still counted, so every rank's count, which schedules the gathers,
+stays the same, and the next backward learns that branch's first gradients. That callback runs when the graph has finished computing ("graph
 done") and before DDP's own finalize, which waits for the gradient all-reduce; a second callback queued from
 the first runs after that wait. So `comm` = exposed gradient communication including any wait for slower
 peers, with no Python on DDP's per-bucket path (docs/MEASUREMENTS.md, items 1-3).
@@ -15,6 +18,11 @@ from typing import Any
 from .batches import first_tensor
 from .recorder import StepRecorder
 from .timeline import Mark
+
+RELEARN_LIMIT = 16
+"""Backwards that may hook every parameter again, to learn a branch that went unseen. Past that (a branch used
+very rarely, or a training-mode forward that is never backpropagated, every step), unseen backwards are
+still counted, but not timed."""
 
 _BACKWARD_BEGIN = int(Mark.BACKWARD_BEGIN)
 _BACKWARD_END = int(Mark.BACKWARD_END)
@@ -39,8 +47,12 @@ class BackwardTimer:
         self.in_backward = False  # forwards run inside backward (recomputation) are not training forwards
         self._on_error = on_error
         self._sync_pending = False  # this micro-batch's backward all-reduces (DDP outside no_sync())
+        self._awaiting = False  # a forward ended and no hooked gradient has become ready since
+        self._params: list[Any] = []  # every parameter watched for gradients
         self._grad_hooks: list[tuple[Any, Any]] = []  # (param, handle) watching for backward's first gradient
-        self._ready_order: list[Any] | None = None  # first backward: the order gradients became ready
+        self._kept: set[int] = set()  # ids of the parameters whose hooks stay after learning
+        self._ready_order: list[Any] | None = None  # a learning backward: the order gradients became ready
+        self._relearn_left = RELEARN_LIMIT
         self._queue_callback: Callable[[Callable[[], None]], None] | None = None
 
     def watch(self, model: Any, grad_hooks: bool = True) -> None:
@@ -49,7 +61,9 @@ class BackwardTimer:
         A per-step hook on the output tensor costs ~13 us to register; a persistent one on a parameter costs
         ~1 us to fire. The first backward hooks every parameter to learn which gradients become ready first,
         then keeps the first few only: any parameter ready before the last one queues the graph-done callback
-        ahead of DDP's finalize, which DDP queues when its last bucket becomes ready. With `grad_hooks=False`
+        ahead of DDP's finalize, which DDP queues when its last bucket becomes ready. A backward that none of
+        the kept hooks saw learns again (`settle`), keeping the first gradients of that branch too. With
+        `grad_hooks=False`
         (FSDP2, whose sharded parameters' hooks fire only after each unit's reduce-scatter, called by FSDP
         itself) backward is timed from a hook on the output instead (`forward_done`).
         """
@@ -59,13 +73,22 @@ class BackwardTimer:
         params = [p for p in model.parameters() if p.requires_grad]
         if not params or not hasattr(params[0], "register_post_accumulate_grad_hook"):
             return
+        self._params.extend(params)
+        self._learn()
+
+    def _learn(self) -> None:
+        """Hook every watched parameter for the next backward, to see which gradients become ready first."""
+        hooked = {id(p) for p, _ in self._grad_hooks}
+        for p in self._params:
+            if id(p) not in hooked:
+                self._grad_hooks.append((p, p.register_post_accumulate_grad_hook(self._grad_ready)))
         self._ready_order = []
-        for p in params:
-            self._grad_hooks.append((p, p.register_post_accumulate_grad_hook(self._grad_ready)))
 
     def forward_done(self, output: Any, grad_sync: bool) -> None:
         """A micro-batch's forward ended; without parameter hooks, its backward is timed from `output`."""
+        self.settle()
         self._sync_pending = grad_sync
+        self._awaiting = True
         if not self._grad_hooks and output is not None:
             t = first_grad_tensor(output)
             if t is not None:
@@ -73,16 +96,32 @@ class BackwardTimer:
                     self._queue_callback = _engine_queue_callback()
                 t.register_hook(self._output_grad)
 
+    def settle(self) -> None:
+        """The last forward's backward has run by now (the next forward ended, or the optimizer steps). If no
+        hook saw it begin, count its gradient sync all the same (every rank counts each synced backward once,
+        whichever parameters it reached) and learn, at the next backward, which gradients come first there."""
+        if not self._awaiting:
+            return
+        self._awaiting = False
+        if self._sync_pending:
+            self._sync_pending = False
+            self.recorder.count_grad_sync()
+        if self._grad_hooks and self._ready_order is None and self._relearn_left > 0:
+            self._relearn_left -= 1
+            self._learn()
+
     def remove(self) -> None:
         for _, handle in self._grad_hooks:
             handle.remove()
         self._grad_hooks.clear()
+        self._params.clear()
 
     def begin(self) -> None:
         """Start of backward (the first gradient is ready): queue the graph-done callback."""
         if not self.active or self.in_backward:
             return
         self.in_backward = True
+        self._awaiting = False
         self.recorder.mark(_BACKWARD_BEGIN)
         assert self._queue_callback is not None
         self._queue_callback(self._graph_done)
@@ -91,7 +130,8 @@ class BackwardTimer:
         try:
             if self._ready_order is not None:
                 self._ready_order.append(param)
-            self.begin()
+            if not self.in_backward:  # the later hooks of this backward: nothing to do, and no call
+                self.begin()
         except Exception as exc:
             self._on_error(exc)
 
@@ -116,14 +156,21 @@ class BackwardTimer:
             self._on_error(exc)
 
     def _keep_first_ready(self, keep: int = 2) -> None:
-        # A few, not one: a parameter unused in some step must not leave that backward untimed.
+        # A few, not one: a parameter unused in some step must not leave that backward untimed. Those kept
+        # after earlier learning stay: each is the first gradient of some branch of the model.
         order, self._ready_order = self._ready_order or [], None
         first = {id(p) for p in order[:keep]}
         if not first:
             return
+        if self._kept and first <= self._kept and self._relearn_left > 0:
+            # Learning after an unseen backward, but this one went through a known branch: learn again.
+            self._relearn_left -= 1
+            self._ready_order = []
+            return
+        self._kept |= first
         kept = []
         for p, handle in self._grad_hooks:
-            if id(p) in first:
+            if id(p) in self._kept:
                 kept.append((p, handle))
             else:
                 handle.remove()

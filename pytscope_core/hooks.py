@@ -174,7 +174,7 @@ class TorchHooks:
             if self.loader_watched:
                 rec.mark(_FORWARD_BEGIN)
             else:
-                self._note_batch(args)
+                self.note_batch(args)
                 rec.loop_top(_FORWARD_BEGIN)
             if self.flop_estimate is not None:
                 self.flop_estimate.begin(rec.steps_done + 1)
@@ -188,7 +188,12 @@ class TorchHooks:
         try:
             # DDP and FSDP2 decide in forward whether this backward syncs (no_sync(),
             # set_requires_gradient_sync(False) turn it off).
-            sync = self.is_ddp and module.require_backward_grad_sync or self._sharded_sync()
+            sync = (
+                self.is_ddp
+                and module.require_backward_grad_sync
+                or self.sharded is not None
+                and self.sharded.sync_expected()
+            )
             self.forward_done(output, sync)
         except Exception as exc:
             self._on_error(exc)
@@ -235,16 +240,20 @@ class TorchHooks:
     def optimizer_begin(self) -> None:
         """The optimizer step starts: the step's forwards and backwards are done (a FLOP count ends here)."""
         self.recorder.mark(_OPTIMIZER_BEGIN)
+        self.backward.settle()
         if self.flop_estimate is not None and self.flop_estimate.counting:
             self.flop_estimate.end()
             self.flop_estimate = None
 
     def _optimizer_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if self.active:
-            self._guard(self.optimizer_begin)
+        if self.backward.active:  # (not the `active` property: a Python call per hook)
+            try:
+                self.optimizer_begin()
+            except Exception as exc:
+                self._on_error(exc)
 
     def _optimizer_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if self.active:
+        if self.backward.active:
             try:
                 self.recorder.optimizer_stepped()
             except Exception as exc:
@@ -252,7 +261,7 @@ class TorchHooks:
 
     # -- data -----------------------------------------------------------------------------------------
     def next_batch(self, it: Iterator[Any]) -> Any:
-        if not self.active or self.paused:  # e.g. evaluating over the training loader inside a pause
+        if not self.backward.active or self.paused:  # e.g. evaluating over the training loader in a pause
             return next(it)
         try:
             self.data_begin()
@@ -265,7 +274,7 @@ class TorchHooks:
             raise
         try:
             self.recorder.mark(_DATA_END)
-            self._note_batch(batch)
+            self.note_batch(batch)
         except Exception as exc:
             self._on_error(exc)
         return batch
@@ -285,10 +294,15 @@ class TorchHooks:
         rec.loop_top(_DATA_BEGIN)
 
     def data_end(self, batch: Any) -> None:
+        """The batch arrived (an integration that sees it there)."""
         self.recorder.mark(_DATA_END)
-        self._note_batch(batch)
+        self.note_batch(batch)
 
-    def _note_batch(self, batch: Any) -> None:
+    def data_fetched(self) -> None:
+        """The batch arrived (an integration that sees it later: `note_batch` then)."""
+        self.recorder.mark(_DATA_END)
+
+    def note_batch(self, batch: Any) -> None:
         """The batch's size (samples per step) and, on the steps that take one, its fingerprint."""
         t = batch[0] if type(batch) in (tuple, list) and batch else batch  # (inputs, targets): the inputs
         shape = getattr(t, "shape", None)
@@ -296,8 +310,9 @@ class TorchHooks:
             t = first_tensor(batch)
             shape = getattr(t, "shape", None)
         self._batch_samples = float(shape[0]) if shape is not None and len(shape) > 0 else math.nan
-        if self.recorder.wants_fingerprint:
-            self.recorder.set_fingerprint(fingerprint(t))
+        rec = self.recorder
+        if rec.wants_fingerprint:
+            rec.set_fingerprint(fingerprint(t))
 
     def pause(self) -> None:
         self.paused = True

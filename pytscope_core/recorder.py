@@ -77,9 +77,10 @@ class StepRecorder:
         self.grad_syncs = 0
         self.micro_batches = 0
         self.window: list[ClosedStep] = []
+        self.in_step = False  # a step is open: marks are recorded (plain attributes: read on the hot path)
+        self.wants_fingerprint = False  # the open step is one whose first batch is fingerprinted
         self._marks: list[int] = []
         self._stamps: list[Any] = []
-        self._open = False
         self._stepped = False
         self._host_start = 0
         self._loss: Any = None
@@ -91,7 +92,7 @@ class StepRecorder:
 
     # -- hot path -------------------------------------------------------------------------------------
     def mark(self, mark: int) -> None:
-        if self._open:
+        if self.in_step:
             self._marks.append(mark)
             self._stamps.append(self._now())
 
@@ -105,7 +106,7 @@ class StepRecorder:
             if self._stopped:
                 return
             self._open_step()
-        elif not self._open:
+        elif not self.in_step:
             if self._stopped:
                 return
             self._open_step()
@@ -113,7 +114,7 @@ class StepRecorder:
         self._stamps.append(self._now())
 
     def optimizer_stepped(self) -> None:
-        if self._open:
+        if self.in_step:
             self._marks.append(_OPTIMIZER_END)
             self._stamps.append(self._now())
             self._stepped = True
@@ -129,13 +130,10 @@ class StepRecorder:
     def set_loss(self, loss: Any) -> None:
         self._loss = loss
 
-    @property
-    def wants_fingerprint(self) -> bool:
-        """Every 8th step (the same steps on every rank), the first batch of the step is fingerprinted."""
-        return self._fingerprint is None and self._open and self.steps_done & 7 == 0
-
     def set_fingerprint(self, fingerprint: Any) -> None:
+        """The fingerprint of the open step's first batch (see `wants_fingerprint`)."""
         self._fingerprint = fingerprint
+        self.wants_fingerprint = False
 
     def label_step(self, label: int) -> None:
         """The framework's own number for the open step (e.g. Lightning's `global_step`), when it does not
@@ -153,17 +151,14 @@ class StepRecorder:
         """Record nothing more: the open step is dropped and no step opens again (closed steps stay for a
         last flush)."""
         self._stopped = True
-        self._open = False
+        self.in_step = False
+        self.wants_fingerprint = False
         self._stepped = False
         self._marks, self._stamps = [], []
 
     @property
     def stopped(self) -> bool:
         return self._stopped
-
-    @property
-    def in_step(self) -> bool:
-        return self._open
 
     @property
     def host_start_ns(self) -> int:
@@ -206,7 +201,8 @@ class StepRecorder:
         self.window.clear()
 
     def _open_step(self) -> None:
-        self._open = True
+        self.in_step = True
+        self.wants_fingerprint = self.steps_done & 7 == 0  # every 8th step, the same steps on every rank
         self._stepped = False
         now = self._now()
         self._host_start = now if self.clock.__class__ is HostClock else self._host_ns()
@@ -232,29 +228,33 @@ class StepRecorder:
         # open stepped step, one statement apart, and the counters move after it.
         self.window.append(closed)
         self._stepped = False
-        self._open = False
+        self.in_step = False
         self.steps_done = done
         self.grad_syncs += self._step_syncs
         self.micro_batches += self._step_micro
 
     def _as_closed(self, steps_done: int, marks: list[int], stamps: list[Any]) -> ClosedStep:
-        return ClosedStep(
-            self.step_label(steps_done) if self._label is None else self._label,
-            self._host_start,
-            marks,
-            stamps,
-            self._loss,
-            self._samples if self._step_micro else math.nan,
-            self._last_memory,
-            self._step_syncs,
-            self._step_micro,
-            self._fingerprint,
+        # tuple.__new__, not ClosedStep(...): the named tuple's own __new__ is a Python function (hot path).
+        return tuple.__new__(  # type: ignore[no-any-return]
+            ClosedStep,
+            (
+                steps_done - 1 + self.step_origin if self._label is None else self._label,  # step_label
+                self._host_start,
+                marks,
+                stamps,
+                self._loss,
+                self._samples if self._step_micro else math.nan,
+                self._last_memory,
+                self._step_syncs,
+                self._step_micro,
+                self._fingerprint,
+            ),
         )
 
     def _stepped_snapshot(self) -> ClosedStep | None:
         """The open step, if its optimizer step is done, as if it had closed at its last mark (its next loop
         top never came: a hang or a signal before it). Copies only; for another thread."""
-        if not (self._open and self._stepped):
+        if not (self.in_step and self._stepped):
             return None
         stamps, marks = list(self._stamps), list(self._marks)  # stamps first: each mark precedes its stamp
         n = min(len(marks), len(stamps))
@@ -266,7 +266,8 @@ class StepRecorder:
         """End of training: close the open step if an optimizer step happened in it, else drop it."""
         if self._stepped:
             self._close_step()
-        self._open = False
+        self.in_step = False
+        self.wants_fingerprint = False
 
     def drain(self, rank: int, segment: int, epoch_offset_s: float) -> np.ndarray:
         """Turn the closed steps into record rows (see records.COLUMNS) and empty the window.

@@ -2,10 +2,12 @@
 
 Lightning runs `training_step` and backward inside the torch optimizer's `step(closure)`, so the optimizer's
 pre-hook would fire before the forward; the callback therefore marks the phases from Lightning's own hooks
-in their real order: the wait for a batch ends at `on_train_batch_start`, the forward ends in
-`on_before_backward` (backward itself is timed by the core's gradient-ready hooks on the module's
-parameters), the optimizer starts at `on_before_optimizer_step` and ends at the torch optimizer's
-post-hook, and the next loop top starts at the end of `on_train_batch_end`. Validation, checkpoint saving
+in their real order: the wait for a batch is what Lightning's training loop brackets for its profiler
+(`_on_before_fetch` / `_on_after_fetch`, around the fetch itself) and is the loop top, the forward starts at
+`on_train_batch_start` and ends in `on_before_backward` (backward itself is timed by the core's
+gradient-ready hooks on the module's parameters), the optimizer starts at `on_before_optimizer_step` and
+ends at the torch optimizer's post-hook. What runs between (other callbacks, the loop's bookkeeping, moving
+the batch to the device, Lightning's per-step SIGTERM broadcast under DDP) is `other`. Validation, checkpoint saving
 and epoch boundaries are paused, so they are not charged to a step. All the logic (recording, gathers,
 diagnosis, the run directory, the summary) lives in `pytscope_core.Scope`; every hook here is a few lines,
 and an exception in any of them disables the scope, never the fit.
@@ -28,7 +30,6 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 from pytscope_core.options import ScopeOptions
 from pytscope_core.scope import Scope
 from pytscope_core.shards import uneven_shards_finding
-from pytscope_core.timeline import Mark
 
 
 def _guarded(hook: Callable[..., None]) -> Callable[..., None]:
@@ -64,6 +65,7 @@ class ScopeCallback(Callback):
         self._ddp: Any = None  # the strategy's DistributedDataParallel, when there is one
         self._restored: dict[str, Any] | None = None
         self._fits = 0
+        self._fetch_timed = False  # the wait for data is bracketed by the training loop's fetch hooks
 
     # -- pickling (ddp_spawn) and checkpoints -------------------------------------------------------------
     def __getstate__(self) -> dict[str, Any]:
@@ -101,14 +103,13 @@ class ScopeCallback(Callback):
     def on_train_start(self, scope: Scope, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._watch(scope, trainer, pl_module)  # first: it picks the clock, which the run's metadata records
         scope.start()  # collective: every rank is here, after the strategy set up the process group
-        _time_sigterm_broadcast(scope, trainer)
+        self._fetch_timed = _time_fetches(scope, trainer)
         self._check_shards(scope, trainer)
-        scope.hooks.data_begin()
 
     @_guarded
     def on_train_end(self, scope: Scope, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Here, not in on_fit_end: the final gather is collective and must run before DDP's teardown.
-        trainer.fit_loop.epoch_loop.__dict__.pop("_broadcast_sigterm_tensor", None)
+        _untime_fetches(trainer)
         scope.finish()
 
     def on_exception(
@@ -116,11 +117,12 @@ class ScopeCallback(Callback):
     ) -> None:
         # The other ranks may be gone: end without meeting them, and never leave a watchdog behind.
         if self.scope is not None:
-            trainer.fit_loop.epoch_loop.__dict__.pop("_broadcast_sigterm_tensor", None)
+            _untime_fetches(trainer)
             self.scope.stop(f"the fit raised {type(exception).__name__}")
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit" and self.scope is not None and not self.scope.finished:
+            _untime_fetches(trainer)
             self.scope.stop("the fit ended before its training did")
 
     # -- one step -----------------------------------------------------------------------------------------
@@ -129,7 +131,9 @@ class ScopeCallback(Callback):
         self, scope: Scope, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         scope.resume()  # ends a checkpoint or epoch-boundary pause; a no-op on the timeline otherwise
-        scope.hooks.data_end(batch)
+        if not self._fetch_timed:
+            scope.hooks.data_end(batch)
+        scope.hooks.note_batch(batch)
         scope.recorder.label_step(trainer.global_step)  # what Lightning's loggers call this step
         scope.hooks.forward_begin()
 
@@ -157,7 +161,8 @@ class ScopeCallback(Callback):
         batch_idx: int,
     ) -> None:
         scope.log(loss=_loss_of(outputs, trainer, pl_module))
-        scope.hooks.data_begin()  # loop top: what follows until the next batch arrives is the wait for data
+        if not self._fetch_timed:  # loop top: from here to the next batch is the wait for data
+            scope.hooks.data_begin()
 
     # -- time that is not a training step -----------------------------------------------------------------
     @_guarded
@@ -232,30 +237,40 @@ def _batches_per_step(trainer: pl.Trainer, pl_module: pl.LightningModule) -> int
     return int(trainer.accumulate_grad_batches) if pl_module.automatic_optimization else 1
 
 
-def _time_sigterm_broadcast(scope: Scope, trainer: pl.Trainer) -> None:
-    """Keep Lightning's per-step SIGTERM broadcast out of the wait for data: it is loop overhead (`other`).
-
-    When distributed, Lightning broadcasts a flag from rank 0 at the top of every training batch, on the
-    training's process group: 0.5-2 ms per step on CPU/gloo (measured here), right before the batch is
-    fetched. Left in `data` it reads as an input-bound job; it is not gradient communication either (SPEC:
-    `comm` is backward's wait for the all-reduce). The data wait is therefore closed around it. A wait there
-    for a rank still busy after its optimizer step counts as the waiting rank's own work (a limit of hooks).
-    Lightning versions without this method are left alone.
+def _time_fetches(scope: Scope, trainer: pl.Trainer) -> bool:
+    """Mark the wait for each training batch around the fetch itself, with the hooks Lightning's training loop
+    hands its data fetcher for profiling (this loop instance only; undone at train end). False on a Lightning
+    without them: the callback then takes the time from `on_train_batch_end` to the next batch as the wait.
     """
     loop = trainer.fit_loop.epoch_loop
-    original = getattr(loop, "_broadcast_sigterm_tensor", None)
-    if original is None or trainer.world_size < 2:
-        return
-    mark = scope.recorder.mark
+    before, after = getattr(loop, "_on_before_fetch", None), getattr(loop, "_on_after_fetch", None)
+    if not callable(before) or not callable(after):
+        return False
+    hooks = scope.hooks
 
-    def timed() -> None:
-        mark(Mark.DATA_END)
+    def on_before_fetch() -> None:
         try:
-            original()
-        finally:
-            mark(Mark.DATA_BEGIN)
+            hooks.data_begin()  # the loop top
+        except Exception as exc:
+            scope.fail(exc)
+        before()
 
-    loop._broadcast_sigterm_tensor = timed  # type: ignore[method-assign]  # this instance only; undone at train end
+    def on_after_fetch() -> None:
+        after()
+        try:
+            hooks.data_fetched()
+        except Exception as exc:
+            scope.fail(exc)
+
+    loop._on_before_fetch = on_before_fetch  # type: ignore[method-assign]
+    loop._on_after_fetch = on_after_fetch  # type: ignore[method-assign]
+    return True
+
+
+def _untime_fetches(trainer: pl.Trainer) -> None:
+    # The loop hands these to each epoch's fetcher: with the instance's own gone, the next fit profiles as usual.
+    for name in ("_on_before_fetch", "_on_after_fetch"):
+        trainer.fit_loop.epoch_loop.__dict__.pop(name, None)
 
 
 def _loss_of(outputs: Any, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Any:

@@ -2,7 +2,8 @@
 
 Options inject one behaviour at a time, always by busy-waiting (never sleeping): a slow rank, a rank that
 blocks at one step, a rank whose every step is slow but progressing, a rank that skips one gradient sync,
-forward work of a fixed wall time on every rank.
+forward work of a fixed wall time on every rank, a model with two heads of which each rank uses its own
+choice every step.
 """
 
 from __future__ import annotations
@@ -38,10 +39,10 @@ def _main(rank: int, world: int, port: int, o: dict[str, Any]) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.ReLU(), torch.nn.Linear(256, 4))
+    model = TwoHeads() if o.get("heads") else torch.nn.Sequential(*_layers())
     if o.get("work_ms"):  # forward work that takes the same wall time on every rank, however busy the cores
         model.register_forward_pre_hook(lambda *_: spin(o["work_ms"]))
-    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=bool(o.get("heads")))
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
     scope = Scope(
         o["run_dir"],
@@ -54,6 +55,7 @@ def _main(rank: int, world: int, port: int, o: dict[str, Any]) -> None:
     # Each rank draws its own data, unless `same_data`: a loop without a DistributedSampler.
     gen = torch.Generator().manual_seed(0 if o.get("same_data") else rank)
     teacher = torch.randn(32, 4, generator=torch.Generator().manual_seed(0))
+    heads = torch.Generator().manual_seed(100 + rank)  # each rank its own choice of head
     for step in range(1, o["steps"] + 1):
         # Compute-dominated steps: a few ms against ~0.3 ms of all-reduce (more with a larger `batch`).
         x = torch.randn(o.get("batch", 512), 32, generator=gen)
@@ -72,6 +74,9 @@ def _main(rank: int, world: int, port: int, o: dict[str, Any]) -> None:
             with ddp.no_sync():
                 loss = F.cross_entropy(ddp(x), y)
                 loss.backward()
+        elif o.get("heads"):
+            loss = F.cross_entropy(ddp(x, int(torch.randint(0, 2, (1,), generator=heads))), y)
+            loss.backward()
         else:
             loss = F.cross_entropy(ddp(x), y)
             loss.backward()
@@ -85,3 +90,26 @@ def _main(rank: int, world: int, port: int, o: dict[str, Any]) -> None:
     dist.barrier()
     dist.destroy_process_group()
     time.sleep(0.1)
+
+
+def _layers() -> list[Any]:
+    import torch
+
+    return [torch.nn.Linear(32, 256), torch.nn.ReLU(), torch.nn.Linear(256, 4)]
+
+
+def TwoHeads() -> Any:  # noqa: N802 - a class, built where torch is imported (in the spawned process)
+    import torch
+
+    class Model(torch.nn.Module):
+        """A shared trunk and two heads; each forward uses one head (multi-task training)."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.trunk = torch.nn.Sequential(*_layers()[:2])
+            self.heads = torch.nn.ModuleList([torch.nn.Linear(256, 4), torch.nn.Linear(256, 4)])
+
+        def forward(self, x: Any, head: int = 0) -> Any:
+            return self.heads[head](self.trunk(x))
+
+    return Model()

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch.multiprocessing as mp
 
+from pytscope_core.records import PHASES
 from pytscope_core.rundir import load_run
 from pytscope_core.summary import summarize
 from pytscope_core.watchdog import HANG_EXIT_CODE
@@ -112,6 +113,20 @@ def test_rank_that_skips_one_gradient_sync_is_a_desync_before_it_hangs(tmp_path)
     assert findings["DIST.DESYNC"]["ranks"] == [1]
     assert 1 in findings["DIST.REPLICA_DRIFT"]["ranks"]
     assert findings["DIST.HANG"]["ranks"] == [1]
+
+
+def test_ranks_that_each_use_their_own_head_stay_in_step_and_time_every_backward(tmp_path):
+    # Multi-task: each rank picks one of two heads every step (find_unused_parameters=True). The gradient
+    # hooks kept after the first backward are in one head; a backward through the other one must still count
+    # its all-reduce (the gathers are scheduled on that count: a rank behind would stall the next gather),
+    # and be timed once that head has been learnt.
+    ddp_worker.run(2, dict(run_dir=str(tmp_path), steps=60, heads=True, interval=10))
+    run = load_run(tmp_path)
+    a = run.arrays
+    assert a.n_steps == 60 and (a.grad_syncs == 1).all()
+    backward = a.phases[:, :, PHASES.index("backward")]
+    assert ((backward <= 0).sum(axis=0) <= 1).all(), np.argwhere(backward <= 0)  # the other head's first use
+    assert "DIST.DESYNC" not in {f["code"] for f in report(tmp_path)["findings"]}
 
 
 def test_sigterm_from_the_launcher_keeps_every_ranks_steps(tmp_path):

@@ -14,6 +14,7 @@ from pytscope_core import Scope
 from pytscope_core.cli import main
 from pytscope_core.rundir import load_run
 from pytscope_core.summary import summarize
+from pytscope_core.timeline import Mark
 from pytscope_core.watchdog import HANG_EXIT_CODE
 
 
@@ -368,3 +369,31 @@ def test_user_code_that_mocks_the_clock_does_not_blind_the_watchdog(tmp_path):
     """)
     proc = run_job(tmp_path, script)
     assert proc.returncode == HANG_EXIT_CODE, proc.stderr
+
+
+def test_a_backward_through_a_head_the_hooks_have_not_seen_is_learnt_at_its_next_use(tmp_path):
+    # Multi-task heads used in turn: the gradient hooks kept after the first backward are all in head 0.
+    class TwoHeads(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.trunk = torch.nn.Linear(8, 16)
+            self.heads = torch.nn.ModuleList([torch.nn.Linear(16, 1), torch.nn.Linear(16, 1)])
+
+        def forward(self, x, head):
+            return self.heads[head](self.trunk(x))
+
+    model = TwoHeads()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scope = Scope(tmp_path, console=False, hang_timeout=None, interval=1000)
+    scope.watch(model, opt)
+    heads = [0, 0, 1, 0, 1, 1, 0, 1]
+    for head in heads:
+        model(torch.randn(4, 8), head).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    scope.recorder.close()
+    timed = [int(Mark.BACKWARD_BEGIN) in step.marks for step in scope.recorder.window]
+    assert timed == [True, True, False, True, True, True, True, True]  # head 1's first use went unseen
+    hooked = {id(p) for p, _ in scope.hooks.backward._grad_hooks}
+    assert hooked == {id(p) for p in model.heads.parameters()}  # both heads' first gradients, not the trunk
+    scope.finish()

@@ -127,11 +127,21 @@ class BreakScope(pl.Callback):
     ) -> None:
         scope = self.scope_callback.scope
         if trainer.global_step == 10 and scope is not None:
-            scope.hooks.data_end = _boom  # type: ignore[method-assign]
+            scope.hooks.note_batch = _boom  # type: ignore[method-assign]
 
 
 def _boom(batch: Any) -> None:
     raise RuntimeError("injected failure")
+
+
+class SlowCallback(pl.Callback):
+    """Another callback's work after each batch (listed after ScopeCallback, as Lightning's own are)."""
+
+    def __init__(self, ms: float) -> None:
+        self.ms = ms
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        spin(self.ms)
 
 
 def main() -> None:
@@ -164,6 +174,7 @@ def main() -> None:
     p.add_argument("--dict-output", action="store_true")
     p.add_argument("--result", default=None)
     p.add_argument("--break-scope", action="store_true")
+    p.add_argument("--callback-ms", type=float, default=0.0, help="a later callback's work after each batch")
     p.add_argument("--raise-at", type=int, default=0, help="training_step raises at this global step")
     p.add_argument("--interrupt", action="store_true", help="--raise-at raises KeyboardInterrupt")
     p.add_argument("--inf-from", type=int, default=0, help="the loss is infinite from this global step on")
@@ -195,6 +206,8 @@ def main() -> None:
     ]
     if args.break_scope:
         callbacks.append(BreakScope(callbacks[0]))
+    if args.callback_ms:
+        callbacks.append(SlowCallback(args.callback_ms))
     if args.ckpt_every:
         callbacks.append(
             ModelCheckpoint(dirpath=args.ckpt_dir, every_n_train_steps=args.ckpt_every, save_top_k=-1)
