@@ -10,7 +10,7 @@ disabled rank raises) has a deadline too. Nothing here analyses or writes the ru
 
 from __future__ import annotations
 
-import datetime
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -23,6 +23,8 @@ from .recorder import StepRecorder
 
 STORE_PREFIX = "pytscope"
 FINISH_WAIT_S = 30.0  # how long finish() waits for every rank to arrive before reporting without them
+FINISH_POLL_S = 0.2
+_ALL, _GAVE_UP = b"all", b"gave up"  # the outcomes of the meeting at finish
 DISABLED_KEY = f"{STORE_PREFIX}/disabled"
 
 
@@ -46,9 +48,9 @@ class Coordinator:
         self._next_gather = interval
 
     # -- start ----------------------------------------------------------------------------------------
-    def start(self, run_dir: Path | None) -> Path:
+    def start(self, run_dir: Path | None, resumed: bool = False) -> Path:
         """Learn rank and world size, create the scope's group (collective), agree on rank 0's run directory
-        (returned) and tell rank 0 where every rank runs."""
+        (returned; `run_directory_for`) and tell rank 0 where every rank runs."""
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized():
@@ -58,14 +60,14 @@ class Coordinator:
             from .gather import Gatherer
 
             self.gatherer = Gatherer(self.gather_timeout, capacity=self.interval)
-            chosen = str(run_dir or default_run_dir()) if self.rank == 0 else None
+            chosen = str(run_directory_for(run_dir, resumed)) if self.rank == 0 else None
             path = Path(self.gatherer.broadcast_object(chosen))
             places = self.gatherer.gather_places(*local_place())
             if places is not None:
                 self.placement = Placement.of(places)
             return path
         self.placement = Placement.of([local_place()])
-        return run_dir or default_run_dir()
+        return run_directory_for(run_dir, resumed)
 
     @property
     def distributed(self) -> bool:
@@ -124,22 +126,40 @@ class Coordinator:
         if store is not None and store.check([DISABLED_KEY]):
             raise PeerDisabled(f"rank {store.get(DISABLED_KEY).decode()} disabled its scope")
 
-    def all_ranks_arrive(self, segment: int) -> list[int]:
-        """Meet at the store first, so a rank that died or never finishes cannot hang the final gather;
-        returns the ranks that did not arrive within FINISH_WAIT_S."""
+    def all_ranks_arrive(self, segment: int) -> str | None:
+        """Meet at the store first, so a rank that died or never finishes cannot hang the final gather. None
+        when every rank arrived (the final gather may run); else why not, and this rank must not gather.
+
+        The ranks agree on one outcome, atomically (the store's compare-and-set): "all", set by the last rank
+        to arrive, or "gave up", set by a rank that waited FINISH_WAIT_S. Whichever comes first holds for every
+        rank, so a rank arriving after another gave up never gathers alone with a rank that has left. The wait
+        is short polls, not one blocking call: a SIGTERM handler, and the watchdog's own store calls on the
+        same client, run while this rank waits."""
         store = default_store()
         if store is None:
-            return []
+            return None
         key = f"{STORE_PREFIX}/finish/{segment}"
+        outcome_key = f"{key}/outcome"
         store.set(f"{key}/{self.rank}", "1")
         # One counter and one key to wait on, not W keys per rank: the store's work stays O(W) at any scale.
+        outcome = None
         if int(store.add(f"{key}/arrived", 1)) >= self.world_size:
-            store.set(f"{key}/all", "1")
-        try:
-            store.wait([f"{key}/all"], datetime.timedelta(seconds=FINISH_WAIT_S))
-            return []
-        except STORE_ERRORS:
-            return [r for r in range(self.world_size) if not store.check([f"{key}/{r}"])]
+            outcome = store.compare_set(outcome_key, "", _ALL)
+        else:
+            deadline = time.monotonic() + FINISH_WAIT_S
+            while outcome is None and time.monotonic() < deadline:
+                if store.check([outcome_key]):
+                    outcome = store.get(outcome_key)
+                else:
+                    time.sleep(FINISH_POLL_S)
+            if outcome is None:
+                outcome = store.compare_set(outcome_key, "", _GAVE_UP)
+        if outcome == _ALL:
+            return None
+        missing = [r for r in range(self.world_size) if not store.check([f"{key}/{r}"])]
+        if missing:
+            return f"ranks {missing} never reached finish(); their last steps are missing"
+        return "another rank stopped waiting at finish() before this one arrived: no final gather"
 
     def destroy(self) -> None:
         """Tear the scope's group down. After a final gather every rank took part in, the ranks meet once more
@@ -177,8 +197,25 @@ def default_store() -> Any:
     return None
 
 
-def default_run_dir() -> Path:
-    base = Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+def run_directory_for(run_dir: Path | None, resumed: bool) -> Path:
+    """Where a run goes: `run_dir`, or `runs/<date-time>` (absolute: a resume from another working directory
+    finds it in the saved state). A new run never joins an earlier one: when `run_dir` already holds a run
+    and this one is not its resume (no saved state was loaded), it goes to `run_dir-2` (-3 ...) and says so."""
+    if run_dir is None:
+        return _unused(Path("runs").absolute() / time.strftime("%Y%m%d-%H%M%S"))
+    if resumed or not (run_dir / "meta.json").exists():
+        return run_dir
+    path = _unused(run_dir)
+    print(
+        f"pytscope: {run_dir} holds an earlier run and this one is not its resume (no saved scope state was "
+        f"loaded): writing to {path}",
+        file=sys.stderr,
+        flush=True,
+    )
+    return path
+
+
+def _unused(base: Path) -> Path:
     path, n = base, 1
     while path.exists():
         n += 1

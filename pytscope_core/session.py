@@ -41,7 +41,9 @@ class RunSession:
 
     def __init__(self, scope: Scope) -> None:
         self.scope = scope
-        self.run_dir: Path = scope.coordinator.start(scope.run_dir)  # learns the rank: first
+        self.run_dir: Path = scope.coordinator.start(
+            scope.run_dir, resumed=scope.segment > 0
+        )  # learns the rank
         self.rank = scope.coordinator.rank
         self.reporter: Any = None
         self.live: Any = None
@@ -249,9 +251,9 @@ class RunSession:
                 )
                 coordinator.gatherer = None
             elif coordinator.distributed:
-                missing = coordinator.all_ranks_arrive(scope.segment)
-                if missing:
-                    scope.note_error(f"ranks {missing} never reached finish(); their last steps are missing")
+                absent = coordinator.all_ranks_arrive(scope.segment)
+                if absent is not None:
+                    scope.note_error(absent)
                     self.flush_own_rows("finish without every rank")
                     coordinator.gatherer = None
             if coordinator.distributed or self.rank == 0:

@@ -340,7 +340,7 @@ class Watchdog(threading.Thread):
             _PHASE_OF_MARK.get(Mark(last_mark), "other") if last_mark is not None else "data"
         )
         self._local_beat = {
-            "step": rec.completed[0],  # a rank between its optimizer step and the next loop top has done it
+            "step": rec.steps_done,  # closed steps: a rank after its optimizer step is still in that step
             "origin": rec.step_origin,
             "phase": phase,
             "idle_s": round(now - self._progress_t, 3),

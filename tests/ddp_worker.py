@@ -36,6 +36,10 @@ def _main(rank: int, world: int, port: int, o: dict[str, Any]) -> None:
         import pytscope_core.session
 
         pytscope_core.session.AUTO_WARMUP_S = o["warmup_hang_s"]
+    if o.get("finish_wait_s"):  # how long finish() waits for the other ranks, shortened for a test
+        import pytscope_core.coordinator
+
+        pytscope_core.coordinator.FINISH_WAIT_S = o["finish_wait_s"]
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.manual_seed(0)
@@ -83,6 +87,8 @@ def _main(rank: int, world: int, port: int, o: dict[str, Any]) -> None:
         opt.step()
         opt.zero_grad()
         scope.log(loss=loss)
+    if rank == 0 and o.get("late_finish_ms"):  # e.g. a final evaluation on rank 0 only
+        spin(o["late_finish_ms"])
     scope.finish()
     # The scope's own gloo group is gone with its last reference: its threads are not left for the
     # interpreter's shutdown.

@@ -129,6 +129,20 @@ def test_ranks_that_each_use_their_own_head_stay_in_step_and_time_every_backward
     assert "DIST.DESYNC" not in {f["code"] for f in report(tmp_path)["findings"]}
 
 
+def test_a_rank_arriving_at_finish_after_the_others_gave_up_keeps_its_steps_and_reports(tmp_path):
+    # Rank 0 reaches finish() 4 s after rank 1, which waits 2 s for it, gives up and writes its own rows. Rank 0
+    # must not then run the final gather with a rank that has left (it would wait out the gather timeout,
+    # 300 s, and lose its last steps and the summary).
+    t0 = time.monotonic()
+    ddp_worker.run(
+        2, dict(run_dir=str(tmp_path), steps=45, interval=20, finish_wait_s=2.0, late_finish_ms=4000.0)
+    )
+    assert time.monotonic() - t0 < 60
+    run = load_run(tmp_path)
+    assert run.arrays.n_steps == 45 and not np.isnan(run.arrays.wall_ms).any()  # both ranks, every step
+    assert (tmp_path / "summary.json").exists()
+
+
 def test_sigterm_from_the_launcher_keeps_every_ranks_steps(tmp_path):
     # SIGTERM on rank 1 at step 35: it writes its ungathered steps, then dies as before; rank 0 is then ended
     # by the launcher (here torch.multiprocessing, with SIGTERM too).

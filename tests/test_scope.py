@@ -397,3 +397,15 @@ def test_a_backward_through_a_head_the_hooks_have_not_seen_is_learnt_at_its_next
     hooked = {id(p) for p, _ in scope.hooks.backward._grad_hooks}
     assert hooked == {id(p) for p in model.heads.parameters()}  # both heads' first gradients, not the trunk
     scope.finish()
+
+
+def test_a_new_run_into_a_directory_that_holds_a_run_goes_beside_it(tmp_path, capsys):
+    # Running the same script twice with run_dir="runs/exp1": the second run is not a resume (no saved state
+    # was loaded), so it must not be merged into the first one's records and metadata.
+    train(tmp_path / "exp1", epochs=1, steps_per_epoch=30)[0].finish()
+    scope, _, _ = train(tmp_path / "exp1", epochs=1, steps_per_epoch=20)
+    scope.finish()
+    assert scope.run_dir == tmp_path / "exp1-2"
+    assert "holds an earlier run" in capsys.readouterr().err
+    assert load_run(tmp_path / "exp1").arrays.n_steps == 30
+    assert load_run(tmp_path / "exp1-2").arrays.n_steps == 20  # (a resume continues in place: above)

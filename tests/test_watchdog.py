@@ -154,3 +154,31 @@ def test_a_long_first_forward_is_not_a_warm_up_hang(tmp_path, monkeypatch):
         time.sleep(0.01)
     dog.stop()
     assert len(seen) == 2 and reported == []
+
+
+def test_a_rank_after_its_optimizer_step_is_named_at_the_step_it_just_took(tmp_path, monkeypatch):
+    # Rank 0 took step 1's optimizer step and stopped before the next loop top; rank 1 waits in step 2's
+    # all-reduce. Rank 0 is still in step 1 (the step closes at the next loop top), not in step 2.
+    monkeypatch.setattr(watchdog, "BEAT_S", 0.01)
+    rec = StepRecorder()
+    rec.loop_top(Mark.FORWARD_BEGIN)
+    rec.mark(Mark.OPTIMIZER_BEGIN)
+    rec.optimizer_stepped()
+    peer = {"step": 1, "phase": "comm", "idle_s": 100.0, "syncs": 1, "t": time.time()}
+    reported: list = []
+    dog = Watchdog(
+        rec,
+        DictStore(**{"pytscope/hb/1": json.dumps(peer)}),
+        rank=0,
+        world_size=2,
+        run_dir=tmp_path,
+        timeout_s=lambda: 0.05,
+        on_hang="report",
+        report=reported.append,
+    )
+    dog.start()
+    dog.join(30.0)
+    (finding,) = reported
+    assert finding.ranks == (0,) and finding.steps == (2,)
+    assert "At step 2, rank 1 has been waiting" in finding.detail
+    assert "is at step 1 in `after the optimizer step`" in finding.detail
