@@ -18,18 +18,22 @@ import json
 import math
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
 from .arrays import RunArrays
 from .context import CountsCheck, ReplicaCheck, RunContext, Segment
 from .findings import Finding
-from .records import COLUMNS, NCOLS
+from .records import COL, COLUMNS, NCOLS, PHASE_COLS
 
 FORMAT = "pytscope-run/1"
+
+
+T = TypeVar("T")
 
 
 class RunDirError(Exception):
@@ -214,23 +218,31 @@ def load_run(path: str | os.PathLike[str], warmup: int | None = None) -> Run:
             if not isinstance(loaded, dict):
                 raise ValueError("not an object")
             meta = loaded
-        except (ValueError, UnicodeDecodeError):
+        except (ValueError, UnicodeDecodeError, OSError):
             problems.append("meta.json is unreadable; defaults assumed")
     if not meta and not (root / "steps.f64").exists():
         raise RunDirError(f"{root}: not a pytscope run directory (no meta.json or steps.f64)")
     columns = meta.get("columns")
     if not (isinstance(columns, list) and all(isinstance(c, str) for c in columns) and "step" in columns):
         columns = None
-    rows = read_rows(root, columns)
-    own_rows, rank_reasons = read_rank_files(root, columns, rows)
+    rows = _read_or_note(lambda: read_rows(root, columns), "steps.f64", problems)
+    own_rows, rank_reasons = _read_or_note(
+        lambda: read_rank_files(root, columns, rows), "ranks/", problems, (np.empty((0, NCOLS)), {})
+    )
     if own_rows.size:
         rows = np.concatenate([rows, own_rows])
-    events, bad_lines = read_events(root)
+    rows, corrupt = sound_rows(rows)
+    if corrupt:
+        problems.append(f"{corrupt} corrupt row(s) of step records dropped")
+    events, bad_lines = _read_or_note(lambda: read_events(root), "events.jsonl", problems, ([], 0))
     for e in events:  # settings learnt during the run (e.g. measured FLOPs) arrive as "meta" events
         if e.get("type") == "meta" and isinstance(e.get("fields"), dict):
             meta.update(e["fields"])
     if bad_lines:
         problems.append(f"{bad_lines} unreadable line(s) in events.jsonl skipped")
+    for key, value in _bad_settings(meta):
+        problems.append(f"run setting {key}={value!r} is not valid; its default assumed")
+        del meta[key]
     w = int(meta.get("warmup", 5)) if warmup is None else warmup
     arrays = RunArrays.from_rows(rows, warmup=w)
     context = _context(meta, events, arrays, w)
@@ -249,6 +261,70 @@ def load_run(path: str | os.PathLike[str], warmup: int | None = None) -> Run:
     # An integration re-checks at every launch (e.g. uneven shards): keep each finding's latest word once.
     extra = list({f.key: f for f in extra}.values())
     return Run(root, meta, arrays, context, live, extra, problems)
+
+
+def _read_or_note(read: Callable[[], T], name: str, problems: list[str], empty: Any = None) -> T:
+    """What `read` returns, or `empty` (no rows) with a note when the file cannot be read at all."""
+    try:
+        return read()
+    except OSError as exc:  # e.g. a directory where a file should be, or no permission
+        problems.append(f"{name} cannot be read ({exc.strerror or type(exc).__name__}); left out")
+        return empty if empty is not None else np.empty((0, NCOLS))  # type: ignore[no-any-return]
+
+
+_SETTINGS: dict[str, tuple[type, ...]] = {  # meta.json settings the analysis reads, and their types
+    "world_size": (int,),
+    "interval": (int,),
+    "warmup": (int,),
+    "step_origin": (int,),
+    "device": (str,),
+    "parallelism": (str, type(None)),
+    "comm_measured": (bool,),
+    "flops_per_step": (int, float, type(None)),
+    "peak_flops": (int, float, type(None)),
+    "mem_limit_bytes": (int, float, type(None)),
+}
+
+
+def _bad_settings(meta: dict[str, Any]) -> list[tuple[str, Any]]:
+    """Settings present with a value of the wrong type or range (a hand-edited or damaged meta.json)."""
+    bad = []
+    for key, types in _SETTINGS.items():
+        if key not in meta:
+            continue
+        value = meta[key]
+        ok = isinstance(value, types) and (bool not in types) == (not isinstance(value, bool))
+        if ok and types == (int,):
+            ok = value >= (1 if key in ("world_size", "interval") else 0) or key == "step_origin"
+        if not ok:
+            bad.append((key, value))
+    return bad
+
+
+def sound_rows(rows: np.ndarray) -> tuple[np.ndarray, int]:
+    """The rows whose keys and times are possible (whole rank, segment and step numbers in range, a start
+    time and durations that are finite and not negative), and how many were not: a damaged file's bytes."""
+    if not rows.size:
+        return rows, 0
+    key = rows[:, [COL["rank"], COL["segment"], COL["step"]]]
+    spans = rows[:, [COL["wall_ms"], *PHASE_COLS, COL["excluded_ms"]]]
+    with np.errstate(invalid="ignore"):
+        ok = (
+            np.isfinite(key).all(axis=1)
+            & (key == np.round(key)).all(axis=1)
+            & (key[:, 0] >= 0)
+            & (key[:, 0] < 2**24)
+            & (key[:, 1] >= 0)
+            & (key[:, 1] < 2**24)
+            & (np.abs(key[:, 2]) < 2**48)
+            & np.isfinite(rows[:, COL["start_s"]])
+            & (np.abs(rows[:, COL["start_s"]]) < 1e11)
+            & np.isfinite(spans).all(axis=1)
+            & (spans >= 0).all(axis=1)
+            & (spans < 1e10).all(axis=1)
+        )
+    bad = int(rows.shape[0] - ok.sum())
+    return (rows[ok] if bad else rows), bad
 
 
 def _context(
@@ -271,7 +347,10 @@ def _context(
             elif kind == "counts_check":
                 counts.append(
                     CountsCheck(
-                        int(e["gather"]), tuple(e["steps"]), tuple(e["grad_syncs"]), tuple(e["micro_batches"])
+                        int(e["gather"]),
+                        tuple(int(v) for v in e["steps"]),
+                        tuple(int(v) for v in e["grad_syncs"]),
+                        tuple(int(v) for v in e["micro_batches"]),
                     )
                 )
             elif kind == "replica_check":
@@ -281,6 +360,7 @@ def _context(
                     )
                 )
             elif kind == "hang":
+                Finding.from_dict(e["finding"])  # a damaged report is left out, as any unreadable event
                 hangs.append(dict(e["finding"]))
             elif kind == "scope_error":
                 errors.append(str(e.get("message", "")))

@@ -146,3 +146,55 @@ def test_bad_arguments_exit_2_without_traceback():
             [sys.executable, "-m", "pytscope_core.cli", *argv], capture_output=True, text=True
         )
         assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, (argv, proc.stderr)
+
+
+@pytest.mark.parametrize(
+    "damage, note",
+    [
+        ("meta_type", "run setting world_size='two' is not valid"),
+        ("meta_null", "run setting warmup=None is not valid"),
+        ("meta_event", "run setting interval='x' is not valid"),
+        ("steps_dir", "steps.f64 cannot be read"),
+        ("events_dir", "events.jsonl cannot be read"),
+        ("row", "1 corrupt row(s) of step records dropped"),
+        ("event_entries", None),
+    ],
+)
+def test_a_damaged_run_directory_still_reports_what_it_can(tmp_path, capsys, damage, note):
+    # Hand-edited or damaged files: one line saying what was left out, the rest reported, exit 0.
+    path = tmp_path / "r"
+    write_run(path)
+    meta = json.loads((path / "meta.json").read_text())
+    if damage.startswith("meta_"):
+        if damage == "meta_type":
+            meta["world_size"] = "two"
+        elif damage == "meta_null":
+            meta["warmup"] = None
+        (path / "meta.json").write_text(json.dumps(meta))
+        if damage == "meta_event":
+            with open(path / "events.jsonl", "a") as f:
+                f.write(json.dumps({"type": "meta", "fields": {"interval": "x"}}) + "\n")
+    elif damage.endswith("_dir"):
+        name = "steps.f64" if damage == "steps_dir" else "events.jsonl"
+        (path / name).unlink()
+        (path / name).mkdir()
+    elif damage == "row":  # random bytes over one row in the middle
+        raw = bytearray((path / "steps.f64").read_bytes())
+        row = NCOLS * 8
+        raw[20 * row : 21 * row] = np.random.default_rng(3).bytes(row)
+        (path / "steps.f64").write_bytes(bytes(raw))
+    else:  # entries of the right type with wrong contents
+        with open(path / "events.jsonl", "a") as f:
+            f.write(
+                json.dumps({"type": "counts_check", "gather": 1, "steps": ["a"], "grad_syncs": [[1]]}) + "\n"
+            )
+            f.write(json.dumps({"type": "hang", "finding": {"code": "DIST.HANG", "severity": "X"}}) + "\n")
+    assert main(["report", str(path)]) == 0
+    out, err = capsys.readouterr()
+    assert "Traceback" not in err and "Step-time breakdown" in out
+    if note is not None:
+        assert f"note: {note}" in " ".join(out.split())
+    if damage == "row":
+        assert load_run(path).arrays.world_size == 2  # not a third rank made of random bytes
+    assert main(["report", str(path), "--json"]) == 0
+    json.loads(capsys.readouterr().out)

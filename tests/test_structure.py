@@ -16,7 +16,10 @@ FOREIGN_PRIVATE = {
     "sys._current_frames",  # every thread's stack for the hang dump
     "dist.distributed_c10d._get_default_store",  # the job's own key-value store (heartbeats, meeting)
     "torch.autograd.Variable._execution_engine",  # the engine's final callbacks ("graph done")
-    "loop._broadcast_sigterm_tensor",  # Lightning's per-step broadcast, timed as loop overhead
+    # Lightning's training loop hands these to its data fetcher around each fetch (for its profiler): the
+    # callback's wait for data is marked there, the fetch itself
+    "loop._on_before_fetch",
+    "loop._on_after_fetch",
     # FSDP2 keeps set_requires_gradient_sync's setting on each unit's parameter groups, with no public getter:
     # read (never written) to know whether a backward reduce-scatters (fsdp.py)
     "unit._get_fsdp_state",
