@@ -225,16 +225,18 @@ def load_run(path: str | os.PathLike[str], warmup: int | None = None) -> Run:
     columns = meta.get("columns")
     if not (isinstance(columns, list) and all(isinstance(c, str) for c in columns) and "step" in columns):
         columns = None
-    rows = _read_or_note(lambda: read_rows(root, columns), "steps.f64", problems)
+    rows = _read_or_note(lambda: read_rows(root, columns), "steps.f64", problems, np.empty((0, NCOLS)))
+    no_rank_files: tuple[np.ndarray, dict[int, str]] = (np.empty((0, NCOLS)), {})
     own_rows, rank_reasons = _read_or_note(
-        lambda: read_rank_files(root, columns, rows), "ranks/", problems, (np.empty((0, NCOLS)), {})
+        lambda: read_rank_files(root, columns, rows), "ranks/", problems, no_rank_files
     )
     if own_rows.size:
         rows = np.concatenate([rows, own_rows])
     rows, corrupt = sound_rows(rows)
     if corrupt:
         problems.append(f"{corrupt} corrupt row(s) of step records dropped")
-    events, bad_lines = _read_or_note(lambda: read_events(root), "events.jsonl", problems, ([], 0))
+    no_events: tuple[list[dict[str, Any]], int] = ([], 0)
+    events, bad_lines = _read_or_note(lambda: read_events(root), "events.jsonl", problems, no_events)
     for e in events:  # settings learnt during the run (e.g. measured FLOPs) arrive as "meta" events
         if e.get("type") == "meta" and isinstance(e.get("fields"), dict):
             meta.update(e["fields"])
@@ -263,13 +265,13 @@ def load_run(path: str | os.PathLike[str], warmup: int | None = None) -> Run:
     return Run(root, meta, arrays, context, live, extra, problems)
 
 
-def _read_or_note(read: Callable[[], T], name: str, problems: list[str], empty: Any = None) -> T:
-    """What `read` returns, or `empty` (no rows) with a note when the file cannot be read at all."""
+def _read_or_note(read: Callable[[], T], name: str, problems: list[str], empty: T) -> T:
+    """What `read` returns, or `empty` with a note when the file cannot be read at all."""
     try:
         return read()
     except OSError as exc:  # e.g. a directory where a file should be, or no permission
         problems.append(f"{name} cannot be read ({exc.strerror or type(exc).__name__}); left out")
-        return empty if empty is not None else np.empty((0, NCOLS))  # type: ignore[no-any-return]
+        return empty
 
 
 _SETTINGS: dict[str, tuple[type, ...]] = {  # meta.json settings the analysis reads, and their types
