@@ -38,7 +38,7 @@ class ClosedStep(NamedTuple):
     host_start_ns: int
     marks: list[int]
     stamps: list[Any]
-    loss: Any
+    losses: list[Any]  # every loss logged in the step, as logged (tensors resolve at drain)
     samples: float
     mem: float
     syncs: int
@@ -83,7 +83,7 @@ class StepRecorder:
         self._stamps: list[Any] = []
         self._stepped = False
         self._host_start = 0
-        self._loss: Any = None
+        self._losses: list[Any] = []  # every loss logged in the open step (a skipped step merges two)
         self._samples = 0.0
         self._step_syncs = 0
         self._step_micro = 0
@@ -128,7 +128,11 @@ class StepRecorder:
         self._step_syncs += 1
 
     def set_loss(self, loss: Any) -> None:
-        self._loss = loss
+        """A loss logged in the open step. The step's is the last one logged, unless one of them was not
+        finite: a NaN/Inf loss is never hidden by a later one (e.g. the iteration whose optimizer step a
+        GradScaler skipped, which merges into the next step)."""
+        if loss is not None:
+            self._losses.append(loss)
 
     def set_fingerprint(self, fingerprint: Any) -> None:
         """The fingerprint of the open step's first batch (see `wants_fingerprint`)."""
@@ -208,7 +212,7 @@ class StepRecorder:
         self._host_start = now if self.clock.__class__ is HostClock else self._host_ns()
         self._marks = [_STEP_START]
         self._stamps = [now]
-        self._loss = None
+        self._losses = []
         self._samples = 0.0
         self._step_syncs = 0
         self._step_micro = 0
@@ -242,7 +246,7 @@ class StepRecorder:
                 self._host_start,
                 marks,
                 stamps,
-                self._loss,
+                self._losses,
                 self._samples if self._step_micro else math.nan,
                 self._last_memory,
                 self._step_syncs,
@@ -301,10 +305,27 @@ class StepRecorder:
         rows[:, list(PHASE_COLS)] = timed[:, : len(PHASE_COLS)]
         rows[:, COL["excluded_ms"]] = timed[:, len(PHASE_COLS)]
         rows[:, COL["wall_ms"]] = timed[:, len(PHASE_COLS) + 1]
-        rows[:, COL["loss"]] = _losses_to_floats([w.loss for w in window])
+        rows[:, COL["loss"]] = step_losses([w.losses for w in window])
         rows[:, COL["batch_fp"]] = resolve_fingerprints([w.fingerprint for w in window])
         rows[:, [COL["samples"], COL["mem_bytes"], COL["grad_syncs"], COL["micro_batches"]]] = meta[:, 2:]
         return rows
+
+
+def step_losses(logged: list[list[Any]]) -> list[float]:
+    """Each step's loss for the records: NaN when none was logged, +inf when any logged value was NaN or
+    infinite (so a logged NaN differs from "not logged"), else the last one logged."""
+    flat = [loss for losses in logged for loss in losses]
+    values = iter(_losses_to_floats(flat))
+    out = []
+    for losses in logged:
+        vals = [next(values) for _ in losses]
+        if not vals:
+            out.append(math.nan)
+        elif all(math.isfinite(v) for v in vals):
+            out.append(vals[-1])
+        else:
+            out.append(math.inf)
+    return out
 
 
 def _losses_to_floats(losses: list[Any]) -> list[float]:

@@ -23,7 +23,7 @@ COLUMNS: tuple[str, ...] = (
     "optimizer_ms",
     "other_ms",
     "excluded_ms",  # validation, checkpointing ... inside the step's span, not charged to any phase
-    "loss",  # NaN when not logged
+    "loss",  # NaN when not logged; +inf when a loss logged in the step was NaN or infinite
     "samples",  # NaN when the batch size is not visible
     "mem_bytes",  # peak memory in the step (CUDA allocator peak, else process RSS)
     "grad_syncs",  # gradient synchronisations (DDP all-reduce rounds) completed in this step

@@ -146,7 +146,7 @@ def render_distributed(summary: Summary) -> RenderableType:
     if not d.comm_measured:
         return Group(_section("Distributed"), Text(d.note or "communication not measured"))
     head = Text(
-        f"transfer {_num(d.transfer_ms)} ms/step ({100 * d.transfer_share:.1f}% of wall), sync wait "
+        f"transfer {_num(d.transfer_ms)} ms in the median step, {100 * d.transfer_share:.1f}% of all wall time; sync wait "
         f"{100 * d.sync_wait_share:.1f}%, lost to imbalance {100 * d.lost_to_imbalance:.1f}% "
         "(transfer/wait split is an estimate)"
     )
@@ -163,7 +163,7 @@ def render_distributed(summary: Summary) -> RenderableType:
     rows.sort(key=lambda r: (place[r.rank][0], r.rank) if place else ("", r.rank))
     table = Table(box=None, pad_edge=False)
     names = ("host", "rank", "local rank") if place else ("rank",)
-    for name in (*names, "local ms", "comm ms", "sync wait ms", "critical path", ""):
+    for name in (*names, "local ms*", "comm ms*", "sync wait ms*", "critical path", ""):
         table.add_column(name, justify="left" if name in ("", "rank", "host") else "right")
     for r in rows:
         where = (place[r.rank][0], str(r.rank), str(place[r.rank][1])) if place else (str(r.rank),)
@@ -175,7 +175,12 @@ def render_distributed(summary: Summary) -> RenderableType:
             f"{100 * r.critical_share:.0f}%",
             "◀ straggler" if r.straggler else "",
         )
-    parts: list[RenderableType] = [_section("Distributed"), head, table]
+    parts: list[RenderableType] = [
+        _section("Distributed"),
+        head,
+        table,
+        Text("* median over the counted steps"),
+    ]
     if omitted:
         parts.append(Text(f"... {omitted} ranks omitted (showing the slowest 8 and fastest 4 by local work)"))
     return Group(*parts)

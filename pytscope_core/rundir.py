@@ -111,14 +111,17 @@ class RunWriter:
             f.close()
 
 
-def append_rank_rows(path: Path, rank: int, rows: np.ndarray, reason: str) -> None:
-    """A rank's own rows, written by that rank (any rank: rank 0 may be hung too), with the reason."""
+def append_rank_rows(
+    path: Path, rank: int, rows: np.ndarray, reason: str, at_step: int | None = None
+) -> None:
+    """A rank's own rows, written by that rank (any rank: rank 0 may be hung too), with the reason and the
+    last step the rank had recorded (`at_step` when no row is written)."""
     folder = path / "ranks"
     folder.mkdir(parents=True, exist_ok=True)
     if rows.size:
         with open(folder / f"rank{rank}.f64", "ab") as f:
             f.write(np.ascontiguousarray(rows, dtype="<f8").tobytes())
-    last = rows[:, COLUMNS.index("step")].max() if rows.size else None
+    last = rows[:, COLUMNS.index("step")].max() if rows.size else at_step
     line = {"rank": rank, "reason": reason, "rows": int(rows.shape[0]), "last_step": last}
     with open(folder / f"rank{rank}.jsonl", "a") as f:
         f.write(json.dumps(_jsonable(line)) + "\n")
@@ -128,7 +131,8 @@ def read_rank_files(
     path: Path, columns: list[str] | None, known: np.ndarray
 ) -> tuple[np.ndarray, dict[int, str]]:
     """Rows the ranks wrote themselves that are not already in `known` (the gathered rows), and each such
-    rank's last stated reason."""
+    rank's last stated reason, unless its records go on past the step it wrote (a hang reported with
+    on_hang="report" that cleared: the reason did not end the rank's records)."""
     folder = path / "ranks"
     if not folder.is_dir():
         return np.empty((0, NCOLS)), {}
@@ -142,12 +146,18 @@ def read_rank_files(
             keep.append(tuple(key) not in seen)
             seen.add(tuple(key))
         rows = rows[keep]
+    every = np.concatenate([known, rows])
     reasons: dict[int, str] = {}
     for f in sorted(folder.glob("rank*.jsonl")):
         for line in f.read_text(errors="replace").splitlines():
             try:
                 entry = json.loads(line)
-                reasons[int(entry["rank"])] = str(entry["reason"])
+                rank, last = int(entry["rank"]), entry.get("last_step")
+                later = every[:, COL["step"]][every[:, COL["rank"]] == rank]
+                if last is not None and later.size and float(np.nanmax(later)) > float(last):
+                    reasons.pop(rank, None)
+                    continue
+                reasons[rank] = str(entry["reason"])
             except (ValueError, KeyError, TypeError):
                 continue
     return rows, reasons

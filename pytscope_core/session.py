@@ -196,8 +196,10 @@ class RunSession:
         self._flushed.set()
         from .rundir import append_rank_rows
 
-        rows = scope.recorder.pending_rows(self.rank, scope.segment, self._epoch_offset)
-        append_rank_rows(self.run_dir, self.rank, rows, reason)
+        rec = scope.recorder
+        rows = rec.pending_rows(self.rank, scope.segment, self._epoch_offset)
+        last = rec.step_label(rec.steps_done) if rec.steps_done else None
+        append_rank_rows(self.run_dir, self.rank, rows, reason, at_step=last)
 
     # -- gathers --------------------------------------------------------------------------------------
     def gather(self, final: bool = False) -> None:

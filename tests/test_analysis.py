@@ -122,6 +122,18 @@ def test_decreasing_loss_is_improving_without_finding():
     )
 
 
+def test_a_fast_early_drop_or_one_spike_does_not_hide_a_falling_loss():
+    # The noise of the block means comes from their successive differences: the one steep first block of a
+    # fast exponential decay, or a single spike, must not pass for noise and make a -90% change "flat".
+    t = np.arange(195)
+    for seed in range(10):
+        noise = 0.02 * np.random.default_rng(seed).standard_normal(195)
+        assert loss_trend(0.05 + 2.0 * np.exp(-t / 5) + noise).trend == "improving"
+    descent = 1.0 - 0.5 * t / 195 + 0.01 * np.random.default_rng(1).standard_normal(195)
+    descent[120] = 30.0
+    assert loss_trend(descent).trend == "improving"
+
+
 def test_flat_loss_gives_no_progress_and_short_runs_unknown():
     rng = np.random.default_rng(3)
     flat = make_run(500, 2, loss=1.0 + 0.01 * rng.standard_normal(500))
@@ -208,6 +220,27 @@ def test_desync_from_counts_and_from_grad_syncs():
     assert {f.ranks for f in found} == {(2,), (1,)}
     from_arrays = next(f for f in found if f.ranks == (1,))
     assert from_arrays.steps == (71,) and from_arrays.severity == Severity.HIGH
+
+
+def test_with_two_ranks_a_desync_blames_nobody_the_counts_cannot_single_out():
+    # Rank 1 skipped one optimizer step (its step 40 merged two iterations, two syncs). At the gather the
+    # step counts tie 1-1: no majority, so both ranks' counts are shown; the per-step sync counts do single
+    # rank 1 out (one sync per step is what every other step has). Its records end a step early because
+    # it took one step fewer, not because it was killed.
+    ctx = RunContext(world_size=2, counts_checks=(CountsCheck(2, (50, 49), (50, 50), (50, 50)),))
+    base = make_run(50, 2)
+    syncs = np.ones((50, 2))
+    syncs[39, 1] = 2
+    syncs[49, 1] = np.nan
+    phases = np.asarray(base.phases).copy()
+    phases[49, 1] = np.nan
+    arrays = RunArrays.from_arrays(phases, loss=np.asarray(base.loss[:, 0]), grad_syncs=syncs)
+    found = [f for f in diagnose(arrays, ctx, strict=True) if f.code == "DIST.DESYNC"]
+    by_gather = next(f for f in found if "gather" in f.title)
+    assert by_gather.ranks == (0, 1) and "rank 0: steps 50; rank 1: steps 49" in by_gather.detail
+    assert next(f for f in found if f.steps == (40,)).ranks == (1,)
+    (end,) = analyze(arrays, ctx).rank_ends
+    assert end.rank == 1 and "fewer optimizer steps" in end.reason
 
 
 def test_replica_drift_names_ranks_and_first_step():

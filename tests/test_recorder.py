@@ -76,6 +76,26 @@ def test_tensor_losses_are_resolved_only_at_drain():
     assert math.isinf(rows[0, COL["loss"]])
 
 
+def test_a_nan_or_inf_loss_is_never_hidden_by_a_later_loss_of_the_same_step():
+    import torch
+
+    rec = StepRecorder(clock=FakeClock())
+    logged = [
+        [torch.tensor(float("inf")), torch.tensor(0.5)],  # a skipped optimizer step merges two iterations
+        [float("nan")],  # a NaN loss, which must read differently from "not logged"
+        [],  # not logged
+        [torch.tensor(2.0), torch.tensor(0.25)],  # the last one logged
+    ]
+    for losses in logged:
+        micro_batch(rec)
+        for loss in losses:
+            rec.set_loss(loss)
+        rec.optimizer_stepped()
+    rec.close()
+    loss = rec.drain(0, 0, 0.0)[:, COL["loss"]]
+    assert math.isinf(loss[0]) and math.isinf(loss[1]) and math.isnan(loss[2]) and loss[3] == 0.25
+
+
 def test_the_recorders_own_work_is_inside_the_step_it_serves():
     """Time the recorder spends closing a step (here a slow memory read) must land in that step, not in the
     gap before the next one: step walls then add up to the loop's wall time."""

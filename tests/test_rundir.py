@@ -198,3 +198,18 @@ def test_a_damaged_run_directory_still_reports_what_it_can(tmp_path, capsys, dam
         assert load_run(path).arrays.world_size == 2  # not a third rank made of random bytes
     assert main(["report", str(path), "--json"]) == 0
     json.loads(capsys.readouterr().out)
+
+
+def test_a_rank_note_says_why_records_end_only_where_they_end(tmp_path):
+    # on_hang="report": both ranks wrote their rows with the reason "hang" at step 30, then the hang cleared
+    # and training went on to step 60. That note did not end their records; a SIGTERM note at the end does.
+    from pytscope_core.rundir import append_rank_rows
+
+    write_run(tmp_path / "r")  # 60 steps, 2 ranks
+    empty = np.empty((0, NCOLS))
+    append_rank_rows(tmp_path / "r", 0, rows_for(steps=30)[::2], "hang")
+    append_rank_rows(tmp_path / "r", 1, empty, "hang", at_step=30)  # nothing pending: a gather just ran
+    run = load_run(tmp_path / "r")
+    assert run.context.rank_notes == ()
+    append_rank_rows(tmp_path / "r", 1, rows_for(steps=60)[1::2], "SIGTERM")
+    assert load_run(tmp_path / "r").context.rank_notes == ((1, "SIGTERM"),)

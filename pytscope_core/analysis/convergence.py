@@ -2,9 +2,10 @@
 
 The trend compares the first and last quarter of block means. Averaging steps into blocks removes per-step
 noise; the noise of the block means is estimated from their successive differences, so a smooth descent does
-not inflate it; the test is one-sided and strict and must also clear a relative-change floor, because a
-significance test alone calls any long run "changing". A NaN loss in the records usually means "not logged";
-it is only called non-finite when a rank that logged every step stops with NaN and never logs again.
+not inflate it, leaving out the one or two that are far larger than the rest (a steep first block, a spike); the test is one-sided and strict and must also clear a relative-change floor, because a
+significance test alone calls any long run "changing". The records hold a logged NaN or Inf loss as +inf and
+"not logged" as NaN; in runs recorded before that distinction, a NaN is only called non-finite when a rank
+that logged every step stops with NaN and never logs again.
 """
 
 from __future__ import annotations
@@ -86,7 +87,7 @@ def loss_trend(loss: np.ndarray) -> LossTrend:
     means = stats.block_means(x, TREND_BLOCKS)
     first = float(means[:TREND_EDGE_BLOCKS].mean())
     last = float(means[-TREND_EDGE_BLOCKS:].mean())
-    sd = stats.von_neumann_sd(means)
+    sd = stats.trimmed_von_neumann_sd(means)
     se = sd * math.sqrt(2.0 / TREND_EDGE_BLOCKS)
     diff = last - first
     t = diff / se if se > 0 else (0.0 if diff == 0 else math.copysign(math.inf, diff))

@@ -283,9 +283,9 @@ def comm_bound(a: RunAnalysis) -> list[Finding]:
             severity=Severity.HIGH if d.transfer_share >= COMM_HIGH_SHARE else Severity.MED,
             title="Gradient communication is a large, exposed share of the step",
             detail=(
-                f"Even the least-blocked rank waits {d.transfer_ms:.2f} ms per step in gradient "
-                f"communication after its backward finished: {_pct(d.transfer_share)} of wall (an estimate "
-                f"of transfer, excluding waits for slower ranks)."
+                f"Even the least-blocked rank waits in gradient communication after its backward finished: "
+                f"{d.transfer_ms:.2f} ms in the median step, {_pct(d.transfer_share)} of all wall time (an "
+                f"estimate of transfer, excluding waits for slower ranks)."
             ),
             recommendation=(
                 "Overlap more of the all-reduce with backward (smaller bucket_cap_mb, no find_unused_parameters),"
@@ -308,9 +308,15 @@ def desync(a: RunAnalysis) -> list[Finding]:
             if values.size < 2:
                 continue
             uniq, counts = np.unique(values, return_counts=True)
+            if uniq.size < 2:
+                continue
+            if np.count_nonzero(counts == counts.max()) > 1:  # no majority (2 ranks): nobody singled out
+                for i in range(values.size):
+                    bad.setdefault(i, []).append(f"{name} {values[i]:.0f}")
+                continue
             majority = uniq[counts.argmax()]
-            for r in np.flatnonzero(values != majority):
-                bad.setdefault(int(r), []).append(f"{name} {values[r]:.0f} vs {majority:.0f}")
+            for i in np.flatnonzero(values != majority).tolist():
+                bad.setdefault(i, []).append(f"{name} {values[i]:.0f} vs {majority:.0f}")
         if bad:
             parts = "; ".join(f"rank {r}: {', '.join(v)}" for r, v in sorted(bad.items()))
             out.append(
@@ -318,7 +324,7 @@ def desync(a: RunAnalysis) -> list[Finding]:
                     code="DIST.DESYNC",
                     severity=Severity.HIGH,
                     title=f"Ranks disagree on how far training got (gather {check.gather})",
-                    detail=f"At gather {check.gather} the counters differ from the majority: {parts}.",
+                    detail=f"At gather {check.gather} the ranks' counters differ: {parts}.",
                     recommendation=_DESYNC_ADVICE,
                     ranks=tuple(sorted(bad)),
                     evidence={"gather": float(check.gather)},

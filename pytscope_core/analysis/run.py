@@ -91,7 +91,16 @@ def rank_ends(arrays: RunArrays, ctx: RunContext) -> tuple[RankEnd, ...]:
             reason = "hang"
         elif ctx.scope_errors:
             reason = "scope disabled"
+        elif _took_fewer_steps(ctx, rank):
+            reason = "it took fewer optimizer steps than other ranks (DIST.DESYNC)"
         else:
             reason = "its last steps were never gathered (killed?)"
         out.append(RankEnd(rank, last, reason))
     return tuple(out)
+
+
+def _took_fewer_steps(ctx: RunContext, rank: int) -> bool:
+    """Whether a gather saw this rank count fewer optimizer steps than another rank."""
+    return any(
+        rank < len(check.steps) and check.steps[rank] < max(check.steps) for check in ctx.counts_checks
+    )
