@@ -110,28 +110,34 @@ def test_during_warm_up_only_ranks_left_waiting_in_a_collective_are_a_hang():
     assert classify_hang({0: _beat("forward"), 1: _beat("forward")}, 2, 300.0) is not None
 
 
-def _watch_warmup(tmp_path, monkeypatch, last_mark: Mark) -> tuple[list, Watchdog]:
-    """Rank 0 of 2 in warm-up (no timeout in force) with `last_mark` as its last mark, rank 1 in its first
-    forward, watched with a warm-up rule of 0.05 s. Returns what was reported and the (running) watchdog."""
+def _watch(tmp_path, monkeypatch, rec, peer, timeout_s, warmup_timeout_s=None) -> tuple[list, Watchdog]:
+    """Rank 0 of 2 with recorder `rec`, rank 1 publishing heartbeat `peer`; returns what was reported and
+    the (running) watchdog."""
     monkeypatch.setattr(watchdog, "BEAT_S", 0.01)
-    rec = StepRecorder()
-    rec.loop_top(Mark.FORWARD_BEGIN)
-    rec.mark(last_mark)
-    peer = {"step": 1, "phase": "forward", "idle_s": 100.0, "syncs": 1, "t": time.time()}
     reported: list = []
     dog = Watchdog(
         rec,
-        DictStore(**{"pytscope/hb/1": json.dumps(peer)}),
+        DictStore(**{"pytscope/hb/1": json.dumps({**peer, "t": time.time()})}),
         rank=0,
         world_size=2,
         run_dir=tmp_path,
-        timeout_s=lambda: None,
+        timeout_s=lambda: timeout_s,
         on_hang="report",
         report=reported.append,
-        warmup_timeout_s=lambda: 0.05,
+        warmup_timeout_s=warmup_timeout_s,
     )
     dog.start()
     return reported, dog
+
+
+def _watch_warmup(tmp_path, monkeypatch, last_mark: Mark) -> tuple[list, Watchdog]:
+    """Rank 0 in warm-up (no timeout in force) with `last_mark` as its last mark, rank 1 in its first
+    forward, watched with a warm-up rule of 0.05 s."""
+    rec = StepRecorder()
+    rec.loop_top(Mark.FORWARD_BEGIN)
+    rec.mark(last_mark)
+    peer = {"step": 1, "phase": "forward", "idle_s": 100.0, "syncs": 1}
+    return _watch(tmp_path, monkeypatch, rec, peer, None, warmup_timeout_s=lambda: 0.05)
 
 
 def test_the_warm_up_rule_applies_while_no_timeout_is_in_force(tmp_path, monkeypatch):
@@ -159,24 +165,12 @@ def test_a_long_first_forward_is_not_a_warm_up_hang(tmp_path, monkeypatch):
 def test_a_rank_after_its_optimizer_step_is_named_at_the_step_it_just_took(tmp_path, monkeypatch):
     # Rank 0 took step 1's optimizer step and stopped before the next loop top; rank 1 waits in step 2's
     # all-reduce. Rank 0 is still in step 1 (the step closes at the next loop top), not in step 2.
-    monkeypatch.setattr(watchdog, "BEAT_S", 0.01)
     rec = StepRecorder()
     rec.loop_top(Mark.FORWARD_BEGIN)
     rec.mark(Mark.OPTIMIZER_BEGIN)
     rec.optimizer_stepped()
-    peer = {"step": 1, "phase": "comm", "idle_s": 100.0, "syncs": 1, "t": time.time()}
-    reported: list = []
-    dog = Watchdog(
-        rec,
-        DictStore(**{"pytscope/hb/1": json.dumps(peer)}),
-        rank=0,
-        world_size=2,
-        run_dir=tmp_path,
-        timeout_s=lambda: 0.05,
-        on_hang="report",
-        report=reported.append,
-    )
-    dog.start()
+    peer = {"step": 1, "phase": "comm", "idle_s": 100.0, "syncs": 1}
+    reported, dog = _watch(tmp_path, monkeypatch, rec, peer, 0.05)
     dog.join(30.0)
     (finding,) = reported
     assert finding.ranks == (0,) and finding.steps == (2,)
