@@ -38,9 +38,10 @@ def codes(summary, severities=("HIGH", "MED")):
     return {f["code"] for f in summary["findings"] if f["severity"] in severities}
 
 
-def test_rank_slowed_by_a_tenth_is_named_and_the_fast_ranks_wait_inside_fsdp_is_sync_wait(tmp_path):
-    # 120 steps: persistence (>= 70% of steps, z >= 3) must hold with another process on the cores.
-    fsdp_worker.run(2, dict(run_dir=str(tmp_path), steps=120, slow_fraction=0.10))
+def test_rank_slowed_by_a_fifth_is_named_and_the_fast_ranks_wait_inside_fsdp_is_sync_wait(tmp_path):
+    # Persistence (>= 70% of steps slower, z >= 3) must hold with another process on the cores: there a
+    # tenth was slower in only 66-80% of the 120 steps (failed 2 runs in 7), so the effect is a fifth.
+    fsdp_worker.run(2, dict(run_dir=str(tmp_path), steps=120, slow_fraction=0.20))
     s = report(tmp_path)
     assert s["run"]["parallelism"] == "fsdp2" and s["run"]["comm_measured"] is True
     assert s["run"]["steps"] == 120 and s["scope"]["errors"] == []
