@@ -1,13 +1,15 @@
 """Backward and exposed gradient communication, timed from the autograd engine with nothing per step.
 
 Persistent gradient-ready hooks on the parameters whose gradients come first mark the start of backward and
-queue an autograd engine final callback. A backward that none of them saw (a branch of the model, e.g. one
-of several task heads, that the hooked parameters are not in) is noticed when the next forward ends or the
-optimizer steps: its gradient sync is still counted, so every rank's count, which schedules the gathers,
-stays the same, and the next backward learns that branch's first gradients. That callback runs when the graph has finished computing ("graph
+queue an autograd engine final callback. That callback runs when the graph has finished computing ("graph
 done") and before DDP's own finalize, which waits for the gradient all-reduce; a second callback queued from
 the first runs after that wait. So `comm` = exposed gradient communication including any wait for slower
 peers, with no Python on DDP's per-bucket path (docs/MEASUREMENTS.md, items 1-3).
+
+A backward that none of the hooks saw (a branch of the model, e.g. one of several task heads, that the hooked
+parameters are not in) is noticed when the next forward ends or the optimizer steps: its gradient sync is
+still counted, so every rank's count, which schedules the gathers, stays the same, and the next backward
+learns that branch's first gradients.
 """
 
 from __future__ import annotations
@@ -63,9 +65,8 @@ class BackwardTimer:
         then keeps the first few only: any parameter ready before the last one queues the graph-done callback
         ahead of DDP's finalize, which DDP queues when its last bucket becomes ready. A backward that none of
         the kept hooks saw learns again (`settle`), keeping the first gradients of that branch too. With
-        `grad_hooks=False`
-        (FSDP2, whose sharded parameters' hooks fire only after each unit's reduce-scatter, called by FSDP
-        itself) backward is timed from a hook on the output instead (`forward_done`).
+        `grad_hooks=False` (FSDP2, whose sharded parameters' hooks fire only after each unit's reduce-scatter,
+        called by FSDP itself) backward is timed from a hook on the output instead (`forward_done`).
         """
         self._queue_callback = _engine_queue_callback()
         if not grad_hooks:

@@ -305,7 +305,7 @@ def _bad_settings(meta: dict[str, Any]) -> list[tuple[str, Any]]:
         if key not in meta:
             continue
         value = meta[key]
-        ok = isinstance(value, types) and (bool not in types) == (not isinstance(value, bool))
+        ok = isinstance(value, types) and isinstance(value, bool) == (bool in types)  # True is an int too
         if ok and types == (int,):
             ok = value >= (1 if key in ("world_size", "interval") else 0) or key == "step_origin"
         if not ok:

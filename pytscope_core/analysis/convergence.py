@@ -2,8 +2,9 @@
 
 The trend compares the first and last quarter of block means. Averaging steps into blocks removes per-step
 noise; the noise of the block means is estimated from their successive differences, so a smooth descent does
-not inflate it, leaving out the one or two that are far larger than the rest (a steep first block, a spike); the test is one-sided and strict and must also clear a relative-change floor, because a
-significance test alone calls any long run "changing". The records hold a logged NaN or Inf loss as +inf and
+not inflate it, leaving out the one or two that are far larger than the rest (a steep first block, a spike);
+the test is one-sided and strict and must also clear a relative-change floor, because a significance test
+alone calls any long run "changing". The records hold a logged NaN or Inf loss as +inf and
 "not logged" as NaN; in runs recorded before that distinction, a NaN is only called non-finite when a rank
 that logged every step stops with NaN and never logs again.
 """
