@@ -29,6 +29,7 @@ still counted, but not timed."""
 _BACKWARD_BEGIN = int(Mark.BACKWARD_BEGIN)
 _BACKWARD_END = int(Mark.BACKWARD_END)
 _GRAPH_DONE = int(Mark.GRAPH_DONE)
+_DONE_WITHOUT_SYNC = (_GRAPH_DONE, _BACKWARD_END)
 
 
 def first_grad_tensor(output: Any) -> Any:
@@ -49,7 +50,7 @@ class BackwardTimer:
         self.in_backward = False  # forwards run inside backward (recomputation) are not training forwards
         self._on_error = on_error
         self._sync_pending = False  # this micro-batch's backward all-reduces (DDP outside no_sync())
-        self._awaiting = False  # a forward ended and no hooked gradient has become ready since
+        self.awaiting = False  # a forward ended and no hooked gradient has become ready since: `settle()`
         self._params: list[Any] = []  # every parameter watched for gradients
         self._grad_hooks: list[tuple[Any, Any]] = []  # (param, handle) watching for backward's first gradient
         self._kept: set[int] = set()  # ids of the parameters whose hooks stay after learning
@@ -87,9 +88,10 @@ class BackwardTimer:
 
     def forward_done(self, output: Any, grad_sync: bool) -> None:
         """A micro-batch's forward ended; without parameter hooks, its backward is timed from `output`."""
-        self.settle()
+        if self.awaiting:
+            self.settle()
         self._sync_pending = grad_sync
-        self._awaiting = True
+        self.awaiting = True
         if not self._grad_hooks and output is not None:
             t = first_grad_tensor(output)
             if t is not None:
@@ -101,9 +103,9 @@ class BackwardTimer:
         """The last forward's backward has run by now (the next forward ended, or the optimizer steps). If no
         hook saw it begin, count its gradient sync all the same (every rank counts each synced backward once,
         whichever parameters it reached) and learn, at the next backward, which gradients come first there."""
-        if not self._awaiting:
+        if not self.awaiting:
             return
-        self._awaiting = False
+        self.awaiting = False
         if self._sync_pending:
             self._sync_pending = False
             self.recorder.count_grad_sync()
@@ -122,8 +124,11 @@ class BackwardTimer:
         if not self.active or self.in_backward:
             return
         self.in_backward = True
-        self._awaiting = False
-        self.recorder.mark(_BACKWARD_BEGIN)
+        self.awaiting = False
+        rec = self.recorder
+        if rec.in_step:
+            rec.marks.append(_BACKWARD_BEGIN)
+            rec.stamps.append(rec.now())
         assert self._queue_callback is not None
         self._queue_callback(self._graph_done)
 
@@ -144,14 +149,19 @@ class BackwardTimer:
 
     def _graph_done(self) -> None:
         try:
-            self.recorder.mark(_GRAPH_DONE)
-            if self._ready_order is not None:
-                self._keep_first_ready()
+            rec = self.recorder
             if self._sync_pending:
+                rec.mark(_GRAPH_DONE)
                 assert self._queue_callback is not None
                 self._queue_callback(self._end)  # runs after DDP's finalize, queued before it
-            else:
-                self._end()  # nothing to wait for: no second callback
+            else:  # nothing to wait for: backward ends here, with no second callback
+                self.in_backward = False
+                if rec.in_step:
+                    now = rec.now()
+                    rec.marks += _DONE_WITHOUT_SYNC
+                    rec.stamps += (now, now)
+            if self._ready_order is not None:
+                self._keep_first_ready()
         except Exception as exc:
             self.in_backward = False
             self._on_error(exc)

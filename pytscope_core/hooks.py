@@ -5,6 +5,9 @@ hooks FSDP itself registers per step: `fsdp.py`). The model instance's `forward`
 (module hooks would take every call off nn.Module's fast path); backward and exposed communication are
 timed from the autograd engine (`backward.BackwardTimer`); optimizer steps from torch's step hooks; the
 loader by giving that one instance a subclass whose iterator marks the wait for each batch (`loader.py`).
+
+Each hook that fires every step makes at most one call into the recorder and appends its other marks itself
+(`recorder.py` says why).
 """
 
 from __future__ import annotations
@@ -26,7 +29,6 @@ from .timeline import Mark
 _DATA_BEGIN = int(Mark.DATA_BEGIN)
 _DATA_END = int(Mark.DATA_END)
 _FORWARD_BEGIN = int(Mark.FORWARD_BEGIN)
-_FORWARD_END = int(Mark.FORWARD_END)
 _OPTIMIZER_BEGIN = int(Mark.OPTIMIZER_BEGIN)
 _PAUSE_BEGIN = int(Mark.PAUSE_BEGIN)
 _PAUSE_END = int(Mark.PAUSE_END)
@@ -49,6 +51,8 @@ class TorchHooks:
         self.loader_watched = False
         self.is_ddp = False
         self.paused = False  # set by the scope around evaluation / checkpointing
+        self.recording = True  # active, and neither paused nor between epochs (kept by `_update`)
+        self._epoch_paused = False  # from a loader's last batch to the next epoch's first fetch
         self._on_error = on_error
         self._handles: list[Any] = []
         self._undo: list[Callable[[], None]] = []  # puts each watched loader back as it was
@@ -66,6 +70,10 @@ class TorchHooks:
     @active.setter
     def active(self, value: bool) -> None:
         self.backward.active = value
+        self._update()
+
+    def _update(self) -> None:
+        self.recording = self.backward.active and not self.paused and not self._epoch_paused
 
     # -- installation ---------------------------------------------------------------------------------
     def watch_model(self, model: Any) -> None:
@@ -133,10 +141,11 @@ class TorchHooks:
         import torch
 
         is_grad_enabled = torch.is_grad_enabled
+        backward = self.backward
 
         def timed(*args: Any, **kwargs: Any) -> Any:
             # Recomputation inside backward, and evaluation in a pause or between epochs, are not training.
-            if self._quiet or not module.training or not is_grad_enabled():
+            if not self.recording or backward.in_backward or not module.training or not is_grad_enabled():
                 return forward(*args, **kwargs)
             self._forward_entered(args)
             output = forward(*args, **kwargs)
@@ -154,7 +163,9 @@ class TorchHooks:
         timing = [False]
 
         def before(mod: Any, args: Any) -> None:
-            timing[0] = not self._quiet and mod.training and is_grad_enabled()
+            timing[0] = (
+                self.recording and not self.backward.in_backward and mod.training and is_grad_enabled()
+            )
             if timing[0]:
                 self._forward_entered(args)
 
@@ -171,11 +182,12 @@ class TorchHooks:
     def _forward_entered(self, args: Any) -> None:
         rec = self.recorder
         try:
-            if self.loader_watched:
-                rec.mark(_FORWARD_BEGIN)
-            else:
+            if not self.loader_watched:
                 self.note_batch(args)
                 rec.loop_top(_FORWARD_BEGIN)
+            elif rec.in_step:
+                rec.marks.append(_FORWARD_BEGIN)
+                rec.stamps.append(rec.now())
             if self.flop_estimate is not None:
                 self.flop_estimate.begin(rec.steps_done + 1)
             if self.first_forward is not None:
@@ -198,26 +210,19 @@ class TorchHooks:
         except Exception as exc:
             self._on_error(exc)
 
-    def _sharded_sync(self) -> bool:
-        return self.sharded is not None and self.sharded.sync_expected()
-
     def grad_sync_expected(self, ddp: Any = None) -> bool:
         """Whether the coming backward synchronises gradients: `ddp` outside `no_sync()`, or the watched
         FSDP2 units with gradient sync on. For integrations that mark forward themselves."""
         if ddp is not None:
             return bool(ddp.require_backward_grad_sync)
-        return self._sharded_sync()
+        return self.sharded is not None and self.sharded.sync_expected()
 
     def _recording(self) -> bool:
         """Training time is recorded now: the scope works and no pause (evaluation, an epoch end) is open."""
-        return self.backward.active and not self.paused and not self._epoch_paused
+        return self.recording
 
     def _in_backward(self) -> bool:
         return self.backward.in_backward
-
-    @property
-    def _quiet(self) -> bool:
-        return not self.backward.active or self.backward.in_backward or self.paused or self._epoch_paused
 
     def forward_begin(self) -> None:
         """Start of a micro-batch's forward, for integrations that see the loop (the wrapper does it itself)."""
@@ -229,24 +234,25 @@ class TorchHooks:
     def forward_done(self, output: Any, grad_sync: bool) -> None:
         """End of a micro-batch's forward. Without gradient-ready hooks (`watch_backward`), the backward is
         timed through a hook on `output` instead."""
-        rec = self.recorder
-        if not rec.in_step:
-            return
-        rec.mark(_FORWARD_END)
-        rec.count_micro_batch(self._batch_samples)
-        self.backward.forward_done(output, grad_sync)
+        if self.recorder.in_step:
+            self.recorder.forward_ended(self._batch_samples)
+            self.backward.forward_done(output, grad_sync)
 
     # -- optimizer ------------------------------------------------------------------------------------
     def optimizer_begin(self) -> None:
         """The optimizer step starts: the step's forwards and backwards are done (a FLOP count ends here)."""
-        self.recorder.mark(_OPTIMIZER_BEGIN)
-        self.backward.settle()
+        rec = self.recorder
+        if rec.in_step:
+            rec.marks.append(_OPTIMIZER_BEGIN)
+            rec.stamps.append(rec.now())
+        if self.backward.awaiting:
+            self.backward.settle()
         if self.flop_estimate is not None and self.flop_estimate.counting:
             self.flop_estimate.end()
             self.flop_estimate = None
 
     def _optimizer_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if self.backward.active:  # (not the `active` property: a Python call per hook)
+        if self.backward.active:
             try:
                 self.optimizer_begin()
             except Exception as exc:
@@ -261,10 +267,13 @@ class TorchHooks:
 
     # -- data -----------------------------------------------------------------------------------------
     def next_batch(self, it: Iterator[Any]) -> Any:
-        if not self.backward.active or self.paused:  # e.g. evaluating over the training loader in a pause
+        if self.paused or not self.backward.active:  # e.g. evaluating over the training loader in a pause
             return next(it)
+        rec = self.recorder
         try:
-            self.data_begin()
+            if self._epoch_paused:
+                self._epoch_begins()
+            rec.loop_top(_DATA_BEGIN)
         except Exception as exc:
             self._on_error(exc)
         try:
@@ -273,7 +282,9 @@ class TorchHooks:
             self._guard(self.epoch_end)
             raise
         try:
-            self.recorder.mark(_DATA_END)
+            if rec.in_step:
+                rec.marks.append(_DATA_END)
+                rec.stamps.append(rec.now())
             self.note_batch(batch)
         except Exception as exc:
             self._on_error(exc)
@@ -287,11 +298,9 @@ class TorchHooks:
 
     def data_begin(self) -> None:
         """Loop top: the wait for the next batch starts."""
-        rec = self.recorder
         if self._epoch_paused:
-            rec.mark(_PAUSE_END)
-            self._epoch_paused = False
-        rec.loop_top(_DATA_BEGIN)
+            self._epoch_begins()
+        self.recorder.loop_top(_DATA_BEGIN)
 
     def data_end(self, batch: Any) -> None:
         """The batch arrived (an integration that sees it there)."""
@@ -306,20 +315,21 @@ class TorchHooks:
         """The batch's size (samples per step) and, on the steps that take one, its fingerprint."""
         t = batch[0] if type(batch) in (tuple, list) and batch else batch  # (inputs, targets): the inputs
         shape = getattr(t, "shape", None)
-        if shape is None or not hasattr(t, "dtype"):  # not a tensor there: search the batch
+        if not isinstance(shape, tuple):  # not a tensor or an array there: search the batch
             t = first_tensor(batch)
             shape = getattr(t, "shape", None)
-        self._batch_samples = float(shape[0]) if shape is not None and len(shape) > 0 else math.nan
-        rec = self.recorder
-        if rec.wants_fingerprint:
-            rec.set_fingerprint(fingerprint(t))
+        self._batch_samples = shape[0] if shape else math.nan  # (a 0-d tensor's shape is empty)
+        if self.recorder.wants_fingerprint:
+            self.recorder.set_fingerprint(fingerprint(t))
 
     def pause(self) -> None:
         self.paused = True
+        self._update()
         self.recorder.mark(_PAUSE_BEGIN)
 
     def resume(self) -> None:
         self.paused = False
+        self._update()
         self.recorder.mark(_PAUSE_END)
 
     def epoch_end(self) -> None:
@@ -327,5 +337,9 @@ class TorchHooks:
         self.recorder.mark(_DATA_END)
         self.recorder.mark(_PAUSE_BEGIN)
         self._epoch_paused = True
+        self._update()
 
-    _epoch_paused = False
+    def _epoch_begins(self) -> None:
+        self.recorder.mark(_PAUSE_END)
+        self._epoch_paused = False
+        self._update()

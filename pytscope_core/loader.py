@@ -33,17 +33,17 @@ def watch_loader(loader: Any, hooks: BatchHooks) -> Callable[[], None] | None:
 
 
 class _WatchedIterator:
-    __slots__ = ("_it", "_hooks")
+    __slots__ = ("_it", "_next_batch")
 
     def __init__(self, it: Iterator[Any], hooks: BatchHooks) -> None:
         self._it = it
-        self._hooks = hooks
+        self._next_batch = hooks.next_batch
 
     def __iter__(self) -> _WatchedIterator:
         return self
 
     def __next__(self) -> Any:
-        return self._hooks.next_batch(self._it)
+        return self._next_batch(self._it)
 
     def __len__(self) -> int:
         return len(self._it)  # type: ignore[arg-type]

@@ -1,9 +1,13 @@
 """The per-rank hot path: timeline marks from hooks, grouped into optimizer steps.
 
-Hooks call `mark()` (or `loop_top()` where a new iteration may begin). A step closes at the first loop top
-after an optimizer step, so a gradient-accumulation window is one step and the step's wall time runs loop
-top to loop top. Closed steps wait in `window` as raw marks until the scope turns them into record rows
-at the next gather: the hot path does two list appends per mark and nothing else.
+Hooks call `loop_top()` where a new iteration may begin, and otherwise append to the open step's `marks` and
+`stamps` (or call `mark()`, which does the same). A step closes at the first loop top after an optimizer
+step, so a gradient-accumulation window is one step and the step's wall time runs loop top to loop top.
+Closed steps wait in `window` as raw marks until the scope turns them into record rows at the next gather.
+
+The hot path is measured in Python frames: each costs far more inside a training step, whose tensors have
+pushed the interpreter's code out of the CPU's caches, than in a micro-benchmark. So each hook point makes
+one call into the recorder at most, and the marks between are two list appends made by the hook itself.
 """
 
 from __future__ import annotations
@@ -22,8 +26,11 @@ from .records import COL, NCOLS, PHASE_COLS
 from .timeline import Mark, attribute_many
 
 # Plain ints for the hot path (an enum member lookup costs more than the append it feeds).
-_STEP_START, _STEP_END, _OPTIMIZER_END = int(Mark.STEP_START), int(Mark.STEP_END), int(Mark.OPTIMIZER_END)
+_STEP_END, _FORWARD_END, _OPTIMIZER_END = int(Mark.STEP_END), int(Mark.FORWARD_END), int(Mark.OPTIMIZER_END)
 _RSS_UNIT = 1 if sys.platform == "darwin" else 1024  # ru_maxrss is bytes on macOS, KiB on Linux
+MEMORY_EVERY = 8
+"""Steps between memory reads: a high-water mark (host peak RSS, CUDA allocator max) only grows, and reading
+it costs a syscall or a stats dict."""
 
 
 def host_peak_rss() -> float:
@@ -61,16 +68,14 @@ class StepRecorder:
         step_origin: int = 1,
     ) -> None:
         self.clock: Clock = clock or HostClock()
-        self._now = self.clock.now
+        self.now = self.clock.now  # stamps a mark (hooks call it themselves)
+        self._host_clock = self.clock.__class__ is HostClock  # its stamps are host nanoseconds
         self._memory = memory
         self._host_ns = host_ns or HostClock.now
         self.step_origin = step_origin  # the number the framework gives its first step (Lightning: 0)
         self.on_step_closed: Callable[[], None] | None = None  # the scope's gather check...
         self.notify_at = 0  # ...called once the gather key (below) reaches this
         self.notify_on_syncs = False  # key: gradient syncs (DDP) or optimizer steps
-        # A high-water mark (host peak RSS, CUDA allocator max) only grows, and reading it costs a syscall or
-        # a stats dict: every 8th step.
-        self._memory_every = 8
         self._last_memory = math.nan
         self._stopped = False
         self.steps_done = 0  # optimizer steps completed, counting those before a resume
@@ -79,8 +84,8 @@ class StepRecorder:
         self.window: list[ClosedStep] = []
         self.in_step = False  # a step is open: marks are recorded (plain attributes: read on the hot path)
         self.wants_fingerprint = False  # the open step is one whose first batch is fingerprinted
-        self._marks: list[int] = []
-        self._stamps: list[Any] = []
+        self.marks: list[int] = []  # the open step's marks, and their stamps (`now()`): while `in_step`,
+        self.stamps: list[Any] = []  # hooks append one of each
         self._stepped = False
         self._host_start = 0
         self._losses: list[Any] = []  # every loss logged in the open step (a skipped step merges two)
@@ -93,36 +98,50 @@ class StepRecorder:
     # -- hot path -------------------------------------------------------------------------------------
     def mark(self, mark: int) -> None:
         if self.in_step:
-            self._marks.append(mark)
-            self._stamps.append(self._now())
+            self.marks.append(mark)
+            self.stamps.append(self.now())
 
     def loop_top(self, mark: int) -> None:
-        """A mark where a new iteration may begin (fetching data, or the forward when no loader is watched)."""
+        """A mark where a new iteration may begin (fetching data, or the forward when no loader is watched):
+        the step whose optimizer has stepped closes here, and the next one opens with `mark`."""
         if self._stepped:
             self._close_step()
             if (self.grad_syncs if self.notify_on_syncs else self.steps_done) >= self.notify_at:
                 if self.on_step_closed is not None:
                     self.on_step_closed()  # may gather (or stop the recorder): the next step starts after it
-            if self._stopped:
-                return
-            self._open_step()
-        elif not self.in_step:
-            if self._stopped:
-                return
-            self._open_step()
-        self._marks.append(mark)
-        self._stamps.append(self._now())
+        elif self.in_step:
+            self.marks.append(mark)
+            self.stamps.append(self.now())
+            return
+        if self._stopped:
+            return
+        now = self.now()
+        self.in_step = True
+        self.wants_fingerprint = self.steps_done & 7 == 0  # every 8th step, the same steps on every rank
+        self._host_start = now if self._host_clock else self._host_ns()
+        self.marks = [mark]  # a step's first mark is its loop top: its stamp is the step's start
+        self.stamps = [now]
+        self._losses = []
+        self._samples = 0.0
+        self._step_syncs = 0
+        self._step_micro = 0
+        self._label = None
+        self._fingerprint = None
+
+    def forward_ended(self, samples: float) -> None:
+        """A forward of the open step ended: its mark, and one more micro-batch of `samples` (NaN when
+        unknown)."""
+        if self.in_step:
+            self.marks.append(_FORWARD_END)
+            self.stamps.append(self.now())
+            self._step_micro += 1
+            self._samples += samples
 
     def optimizer_stepped(self) -> None:
         if self.in_step:
-            self._marks.append(_OPTIMIZER_END)
-            self._stamps.append(self._now())
+            self.marks.append(_OPTIMIZER_END)
+            self.stamps.append(self.now())
             self._stepped = True
-
-    def count_micro_batch(self, samples: float) -> None:
-        """A forward of the open step ended: one more micro-batch of `samples` (NaN when unknown)."""
-        self._step_micro += 1
-        self._samples += samples
 
     def count_grad_sync(self) -> None:
         self._step_syncs += 1
@@ -148,7 +167,8 @@ class StepRecorder:
     def use_clock(self, clock: Clock, memory: Callable[[], float]) -> None:
         """Switch clocks before the first step (e.g. to CUDA events, with the allocator's high-water mark)."""
         self.clock = clock
-        self._now = clock.now
+        self.now = clock.now
+        self._host_clock = clock.__class__ is HostClock
         self._memory = memory
 
     def stop(self) -> None:
@@ -158,7 +178,7 @@ class StepRecorder:
         self.in_step = False
         self.wants_fingerprint = False
         self._stepped = False
-        self._marks, self._stamps = [], []
+        self.marks, self.stamps = [], []
 
     @property
     def stopped(self) -> bool:
@@ -176,7 +196,7 @@ class StepRecorder:
     def progress(self) -> tuple[tuple[int, int, int], int | None]:
         """For another thread: a signature that changes with every mark, and the latest mark (or None).
         Reads only; safe while the training thread appends."""
-        marks = self._marks
+        marks = self.marks
         n = len(marks)
         return (self.steps_done, id(marks), n), (marks[n - 1] if n else None)
 
@@ -204,30 +224,15 @@ class StepRecorder:
         self.micro_batches = int(counters.get("micro_batches", 0))
         self.window.clear()
 
-    def _open_step(self) -> None:
-        self.in_step = True
-        self.wants_fingerprint = self.steps_done & 7 == 0  # every 8th step, the same steps on every rank
-        self._stepped = False
-        now = self._now()
-        self._host_start = now if self.clock.__class__ is HostClock else self._host_ns()
-        self._marks = [_STEP_START]
-        self._stamps = [now]
-        self._losses = []
-        self._samples = 0.0
-        self._step_syncs = 0
-        self._step_micro = 0
-        self._label = None
-        self._fingerprint = None
-
     def _close_step(self) -> None:
         # The recorder's own work (the memory read, the closed tuple) comes before the step's last stamp: it
         # is billed to the step it serves, so the step times add up to the loop's own wall time.
         done = self.steps_done + 1
-        if done % self._memory_every == 0 or self._last_memory != self._last_memory:
+        if done % MEMORY_EVERY == 0 or self._last_memory != self._last_memory:
             self._last_memory = self._memory()
-        closed = self._as_closed(done, self._marks, self._stamps)  # shares the lists: the end stamp
-        self._marks.append(_STEP_END)  # below belongs to it
-        self._stamps.append(self._now())
+        closed = self._as_closed(done, self.marks, self.stamps)  # shares the lists: the end stamp
+        self.marks.append(_STEP_END)  # below belongs to it
+        self.stamps.append(self.now())
         # A SIGTERM handler may read `pending_rows` between any two lines: the step is in the window or the
         # open stepped step, one statement apart, and the counters move after it.
         self.window.append(closed)
@@ -260,7 +265,7 @@ class StepRecorder:
         top never came: a hang or a signal before it). Copies only; for another thread."""
         if not (self.in_step and self._stepped):
             return None
-        stamps, marks = list(self._stamps), list(self._marks)  # stamps first: each mark precedes its stamp
+        stamps, marks = list(self.stamps), list(self.marks)  # stamps first: each mark precedes its stamp
         n = min(len(marks), len(stamps))
         if n == 0:
             return None

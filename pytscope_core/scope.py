@@ -186,13 +186,13 @@ class Scope:
             self.resume()
 
     # -- what the user and integrations tell the scope ------------------------------------------------
-    def log(self, **scalars: Any) -> None:
+    def log(self, loss: Any = None, **scalars: Any) -> None:
         """Record scalars for the current step. `loss` drives convergence analysis; tensors are never synced here."""
         if not self.enabled:
             return
-        loss = scalars.pop("loss", None)
         if loss is not None:
-            self.recorder.set_loss(loss.detach() if hasattr(loss, "detach") else loss)
+            detach = getattr(loss, "detach", None)  # a tensor: its graph must not be kept until the gather
+            self.recorder.set_loss(loss if detach is None else detach())
         if scalars and self.rank == 0:
             self._scalars.append({"step": self.step_label(open_step=True), **scalars})
 

@@ -16,7 +16,7 @@ from .records import PHASES
 
 
 class Mark(enum.IntEnum):
-    STEP_START = 0  # loop top
+    STEP_START = 0  # a step start with no loop-top mark of its own (the recorder opens with the loop top's)
     DATA_BEGIN = 1
     DATA_END = 2
     FORWARD_BEGIN = 3
@@ -57,18 +57,20 @@ _TRANSITIONS: dict[int, tuple[int | None, int | None]] = {
 def attribute(marks: Sequence[int], times_ms: Sequence[float]) -> tuple[list[float], float, float]:
     """Phase times of one step from its marks.
 
-    `marks[0]` is STEP_START and the last is STEP_END; `times_ms` are their timestamps on one clock.
-    Returns (per-phase ms in PHASES order, excluded ms, wall ms), where wall = span - excluded and the
-    phases sum to wall. A close without its open is ignored; an open never closed runs to the step end.
+    `marks[0]` is the step's first mark (STEP_START, or the loop top's own mark, e.g. DATA_BEGIN) and the
+    last is STEP_END; `times_ms` are their timestamps on one clock. Returns (per-phase ms in PHASES order,
+    excluded ms, wall ms), where wall = span - excluded and the phases sum to wall. A close without its open
+    is ignored; an open never closed runs to the step end.
     """
     acc = [0.0] * (len(PHASES) + 1)
     if len(marks) < 2:
         return acc[:-1], 0.0, 0.0
     stack: list[int] = []
     prev = times_ms[0]
-    for mark, t in zip(marks[1:], times_ms[1:], strict=False):
-        acc[stack[-1] if stack else OTHER] += t - prev
-        prev = t
+    for i, (mark, t) in enumerate(zip(marks, times_ms, strict=False)):
+        if i:
+            acc[stack[-1] if stack else OTHER] += t - prev
+            prev = t
         opens, closes = _TRANSITIONS.get(mark, (None, None))
         if closes is not None and closes in stack:
             del stack[len(stack) - 1 - stack[::-1].index(closes) :]  # the innermost open one

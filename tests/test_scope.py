@@ -128,7 +128,7 @@ def test_a_disabled_scope_never_calls_the_training_hung(tmp_path):
         while time.monotonic() < end:
             step += 1
             if step == 5:
-                scope.recorder.mark = None  # the next hook call raises inside the scope
+                scope.recorder.forward_ended = None  # the next hook call raises inside the scope
             model(torch.randn(2, 4)).sum().backward(); opt.step(); opt.zero_grad()
             time.sleep(0.01)
         assert not scope.enabled
