@@ -465,7 +465,7 @@ def recording_cost_us(steps: int, blocks: int) -> dict[str, float]:
 
 def cold_hooks_us(steps: int, blocks: int, tmp: Path) -> dict[str, float]:
     """us per step of pytscope's hook bodies run as inside a real step: before each hook point a 384x384
-    matmul (the 1 ms MLP's layer) has pushed the interpreter's code and data out of the CPU's caches, as the
+    matmul (a layer of the 1 ms MLP's size) has pushed the interpreter's code and data out of the CPU's caches, as the
     step's own tensor work does. Warm, in a tight loop (`recording_cost_us`), the same code costs several
     times less, which is why a real loop pays more than that micro-benchmark. (How cold the code gets
     depends on the work between the hooks: a 256x256 matmul here gives about 2/3 of the cost, a 512x512 one
