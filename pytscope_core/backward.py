@@ -29,7 +29,6 @@ still counted, but not timed."""
 _BACKWARD_BEGIN = int(Mark.BACKWARD_BEGIN)
 _BACKWARD_END = int(Mark.BACKWARD_END)
 _GRAPH_DONE = int(Mark.GRAPH_DONE)
-_DONE_WITHOUT_SYNC = (_GRAPH_DONE, _BACKWARD_END)
 
 
 def first_grad_tensor(output: Any) -> Any:
@@ -156,10 +155,11 @@ class BackwardTimer:
                 self._queue_callback(self._end)  # runs after DDP's finalize, queued before it
             else:  # nothing to wait for: backward ends here, with no second callback
                 self.in_backward = False
-                if rec.in_step:
-                    now = rec.now()
-                    rec.marks += _DONE_WITHOUT_SYNC
-                    rec.stamps += (now, now)
+                if rec.in_step:  # a stamp each (a CUDA event marks one point only)
+                    rec.marks.append(_GRAPH_DONE)
+                    rec.stamps.append(rec.now())
+                    rec.marks.append(_BACKWARD_END)
+                    rec.stamps.append(rec.now())
             if self._ready_order is not None:
                 self._keep_first_ready()
         except Exception as exc:

@@ -2,7 +2,8 @@
 
 A clock's `now()` is called on the hot path and must be cheap; `to_ms()` resolves a whole window of
 timestamps at once, off the hot path. The CUDA clock synchronizes at most once per call to `to_ms`, which
-the scope makes once per gather interval, never per step.
+the scope makes once per gather interval, never per step. A clock whose stamps are worth reusing (CUDA
+events) also has `release(stamps)`: the recorder calls it for stamps it will never read again.
 """
 
 from __future__ import annotations
@@ -34,8 +35,9 @@ class CudaEventClock:
     """Marks recorded as CUDA events on the current stream of the model's device, so GPU phases are
     execution, not launch, times, on the GPU that runs the model (not whichever device is current).
 
-    Events are recycled from a pool once resolved. `to_ms` waits for the newest event (one synchronize)
-    and measures every stamp against the first one of the batch.
+    Events are recycled from a pool once released (each event stamps one mark only: recording it again
+    would move that mark). `to_ms` waits for the newest event (one synchronize) and measures every stamp
+    against the first one of the batch.
     """
 
     def __init__(self, device: Any = None) -> None:
@@ -60,9 +62,11 @@ class CudaEventClock:
             return []
         origin = stamps[0]
         stamps[-1].synchronize()
-        out = [origin.elapsed_time(ev) for ev in stamps]
-        self._pool.extend(stamps)
-        return out
+        return [origin.elapsed_time(ev) for ev in stamps]
+
+    def release(self, stamps: Sequence[Any]) -> None:
+        """Events the recorder will not read again go back to the pool (each once)."""
+        self._pool.extend(dict.fromkeys(stamps))
 
 
 def cuda_device(device: Any = None) -> Any:

@@ -319,8 +319,8 @@ class TorchHooks:
             t = first_tensor(batch)
             shape = getattr(t, "shape", None)
         self._batch_samples = shape[0] if shape else math.nan  # (a 0-d tensor's shape is empty)
-        if self.recorder.wants_fingerprint:
-            self.recorder.set_fingerprint(fingerprint(t))
+        if self.recorder.wants_fingerprint:  # of a tensor or an array (not, say, a data frame's rows)
+            self.recorder.set_fingerprint(fingerprint(t if hasattr(t, "dtype") else first_tensor(batch)))
 
     def pause(self) -> None:
         self.paused = True

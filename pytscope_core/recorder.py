@@ -284,21 +284,31 @@ class StepRecorder:
         `epoch_offset_s` converts host perf_counter seconds to seconds since the epoch.
         """
         window, self.window = self.window, []
-        return self._rows(window, rank, segment, epoch_offset_s)
+        stamps = [s for w in window for s in w.stamps]
+        rows = self._rows(window, stamps, rank, segment, epoch_offset_s)
+        release = getattr(self.clock, "release", None)  # (CUDA events: reused once read for the last time)
+        if release is not None:
+            release(stamps)
+        return rows
 
     def pending_rows(self, rank: int, segment: int, epoch_offset_s: float) -> np.ndarray:
         """The steps not yet drained, as rows, leaving the recorder as it is: for another thread (a hang or
         SIGTERM report) while the training thread is blocked or interrupted. Closed steps never change; an
-        open step whose optimizer step is done counts too."""
+        open step whose optimizer step is done counts too. Its stamps are read, not released: the steps are
+        drained again later if training goes on."""
         window = list(self.window)
         last = self._stepped_snapshot()
-        return self._rows(window if last is None else [*window, last], rank, segment, epoch_offset_s)
+        if last is not None:
+            window.append(last)
+        return self._rows(window, [s for w in window for s in w.stamps], rank, segment, epoch_offset_s)
 
-    def _rows(self, window: list[ClosedStep], rank: int, segment: int, epoch_offset_s: float) -> np.ndarray:
+    def _rows(
+        self, window: list[ClosedStep], stamps: list[Any], rank: int, segment: int, epoch_offset_s: float
+    ) -> np.ndarray:
         rows = np.full((len(window), NCOLS), np.nan)
         if not window:
             return rows
-        ms = self.clock.to_ms([s for w in window for s in w.stamps])
+        ms = self.clock.to_ms(stamps)
         timed = attribute_many([w.marks for w in window], ms)
         meta = np.array(
             [(w.step, w.host_start_ns, w.samples, w.mem, w.syncs, w.micro) for w in window], dtype=np.float64

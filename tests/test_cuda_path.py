@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from pytscope_core import Scope
+from pytscope_core.records import PHASES
 from pytscope_core.rundir import load_run
 
 
@@ -83,3 +84,27 @@ def test_a_bare_cuda_device_means_the_current_one(two_gpus):
     assert CudaEventClock("cuda").device == torch.device("cuda", 0)
     assert CudaEventClock().device == torch.device("cuda", 0)
     assert CudaEventClock("cuda:1").device == torch.device("cuda", 1)
+
+
+def test_each_cuda_event_stamps_one_mark_and_returns_to_the_pool_once(tmp_path, two_gpus):
+    """A backward without gradient sync ends with two marks at once: each needs its own event. Shared, the
+    event went back to the pool twice, two later marks got one event, and re-recording it moved the
+    earlier mark: after a few gathers the time between backward and the optimizer (other) read as backward."""
+    model = torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scope = Scope(tmp_path, console=False, hang_timeout=None, interval=10, warmup=2)
+    scope.use_cuda_clock(torch.device("cuda", 1))
+    scope.watch(model, opt)
+    for _ in range(60):
+        model(torch.randn(4, 8)).sum().backward()
+        time.sleep(0.002)  # between backward and the optimizer: other
+        opt.step()
+        opt.zero_grad()
+    pool = scope.recorder.clock._pool
+    assert len(pool) == len({id(ev) for ev in pool})
+    scope.finish()
+    arrays = load_run(tmp_path).arrays
+    assert arrays.n_steps == 60
+    other = arrays.phases[:, 0, PHASES.index("other")]
+    backward = arrays.phases[:, 0, PHASES.index("backward")]
+    assert (other[5:] > 1.5).all() and (backward[5:] < 1.5).all()
