@@ -124,10 +124,7 @@ class BackwardTimer:
             return
         self.in_backward = True
         self.awaiting = False
-        rec = self.recorder
-        if rec.in_step:
-            rec.marks.append(_BACKWARD_BEGIN)
-            rec.stamps.append(rec.now())
+        self.recorder.mark(_BACKWARD_BEGIN)
         assert self._queue_callback is not None
         self._queue_callback(self._graph_done)
 
@@ -155,11 +152,8 @@ class BackwardTimer:
                 self._queue_callback(self._end)  # runs after DDP's finalize, queued before it
             else:  # nothing to wait for: backward ends here, with no second callback
                 self.in_backward = False
-                if rec.in_step:  # a stamp each (a CUDA event marks one point only)
-                    rec.marks.append(_GRAPH_DONE)
-                    rec.stamps.append(rec.now())
-                    rec.marks.append(_BACKWARD_END)
-                    rec.stamps.append(rec.now())
+                rec.mark(_GRAPH_DONE)
+                rec.mark(_BACKWARD_END)
             if self._ready_order is not None:
                 self._keep_first_ready()
         except Exception as exc:

@@ -5,9 +5,6 @@ hooks FSDP itself registers per step: `fsdp.py`). The model instance's `forward`
 (module hooks would take every call off nn.Module's fast path); backward and exposed communication are
 timed from the autograd engine (`backward.BackwardTimer`); optimizer steps from torch's step hooks; the
 loader by giving that one instance a subclass whose iterator marks the wait for each batch (`loader.py`).
-
-Each hook that fires every step makes at most one call into the recorder and appends its other marks itself
-(`recorder.py` says why).
 """
 
 from __future__ import annotations
@@ -182,12 +179,11 @@ class TorchHooks:
     def _forward_entered(self, args: Any) -> None:
         rec = self.recorder
         try:
-            if not self.loader_watched:
+            if self.loader_watched:
+                rec.mark(_FORWARD_BEGIN)
+            else:
                 self.note_batch(args)
                 rec.loop_top(_FORWARD_BEGIN)
-            elif rec.in_step:
-                rec.marks.append(_FORWARD_BEGIN)
-                rec.stamps.append(rec.now())
             if self.flop_estimate is not None:
                 self.flop_estimate.begin(rec.steps_done + 1)
             if self.first_forward is not None:
@@ -241,10 +237,7 @@ class TorchHooks:
     # -- optimizer ------------------------------------------------------------------------------------
     def optimizer_begin(self) -> None:
         """The optimizer step starts: the step's forwards and backwards are done (a FLOP count ends here)."""
-        rec = self.recorder
-        if rec.in_step:
-            rec.marks.append(_OPTIMIZER_BEGIN)
-            rec.stamps.append(rec.now())
+        self.recorder.mark(_OPTIMIZER_BEGIN)
         if self.backward.awaiting:
             self.backward.settle()
         if self.flop_estimate is not None and self.flop_estimate.counting:
@@ -269,11 +262,8 @@ class TorchHooks:
     def next_batch(self, it: Iterator[Any]) -> Any:
         if self.paused or not self.backward.active:  # e.g. evaluating over the training loader in a pause
             return next(it)
-        rec = self.recorder
         try:
-            if self._epoch_paused:
-                self._epoch_begins()
-            rec.loop_top(_DATA_BEGIN)
+            self.data_begin()
         except Exception as exc:
             self._on_error(exc)
         try:
@@ -282,9 +272,7 @@ class TorchHooks:
             self._guard(self.epoch_end)
             raise
         try:
-            if rec.in_step:
-                rec.marks.append(_DATA_END)
-                rec.stamps.append(rec.now())
+            self.recorder.mark(_DATA_END)
             self.note_batch(batch)
         except Exception as exc:
             self._on_error(exc)

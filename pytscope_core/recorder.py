@@ -1,13 +1,9 @@
 """The per-rank hot path: timeline marks from hooks, grouped into optimizer steps.
 
-Hooks call `loop_top()` where a new iteration may begin, and otherwise append to the open step's `marks` and
-`stamps` (or call `mark()`, which does the same). A step closes at the first loop top after an optimizer
-step, so a gradient-accumulation window is one step and the step's wall time runs loop top to loop top.
-Closed steps wait in `window` as raw marks until the scope turns them into record rows at the next gather.
-
-The hot path is measured in Python frames: each costs far more inside a training step, whose tensors have
-pushed the interpreter's code out of the CPU's caches, than in a micro-benchmark. So each hook point makes
-one call into the recorder at most, and the marks between are two list appends made by the hook itself.
+Hooks call `mark()` (or `loop_top()` where a new iteration may begin). A step closes at the first loop top
+after an optimizer step, so a gradient-accumulation window is one step and the step's wall time runs loop
+top to loop top. Closed steps wait in `window` as raw marks until the scope turns them into record rows
+at the next gather: the hot path does two list appends per mark, and opens a step in place.
 """
 
 from __future__ import annotations
@@ -68,7 +64,7 @@ class StepRecorder:
         step_origin: int = 1,
     ) -> None:
         self.clock: Clock = clock or HostClock()
-        self.now = self.clock.now  # stamps a mark (hooks call it themselves)
+        self._now = self.clock.now
         self._host_clock = self.clock.__class__ is HostClock  # its stamps are host nanoseconds
         self._memory = memory
         self._host_ns = host_ns or HostClock.now
@@ -84,8 +80,8 @@ class StepRecorder:
         self.window: list[ClosedStep] = []
         self.in_step = False  # a step is open: marks are recorded (plain attributes: read on the hot path)
         self.wants_fingerprint = False  # the open step is one whose first batch is fingerprinted
-        self.marks: list[int] = []  # the open step's marks, and their stamps (`now()`): while `in_step`,
-        self.stamps: list[Any] = []  # hooks append one of each
+        self._marks: list[int] = []
+        self._stamps: list[Any] = []
         self._stepped = False
         self._host_start = 0
         self._losses: list[Any] = []  # every loss logged in the open step (a skipped step merges two)
@@ -98,8 +94,8 @@ class StepRecorder:
     # -- hot path -------------------------------------------------------------------------------------
     def mark(self, mark: int) -> None:
         if self.in_step:
-            self.marks.append(mark)
-            self.stamps.append(self.now())
+            self._marks.append(mark)
+            self._stamps.append(self._now())
 
     def loop_top(self, mark: int) -> None:
         """A mark where a new iteration may begin (fetching data, or the forward when no loader is watched):
@@ -110,17 +106,17 @@ class StepRecorder:
                 if self.on_step_closed is not None:
                     self.on_step_closed()  # may gather (or stop the recorder): the next step starts after it
         elif self.in_step:
-            self.marks.append(mark)
-            self.stamps.append(self.now())
+            self._marks.append(mark)
+            self._stamps.append(self._now())
             return
         if self._stopped:
             return
-        now = self.now()
+        now = self._now()
         self.in_step = True
         self.wants_fingerprint = self.steps_done & 7 == 0  # every 8th step, the same steps on every rank
         self._host_start = now if self._host_clock else self._host_ns()
-        self.marks = [mark]  # a step's first mark is its loop top: its stamp is the step's start
-        self.stamps = [now]
+        self._marks = [mark]  # a step's first mark is its loop top: its stamp is the step's start
+        self._stamps = [now]
         self._losses = []
         self._samples = 0.0
         self._step_syncs = 0
@@ -132,15 +128,15 @@ class StepRecorder:
         """A forward of the open step ended: its mark, and one more micro-batch of `samples` (NaN when
         unknown)."""
         if self.in_step:
-            self.marks.append(_FORWARD_END)
-            self.stamps.append(self.now())
+            self._marks.append(_FORWARD_END)
+            self._stamps.append(self._now())
             self._step_micro += 1
             self._samples += samples
 
     def optimizer_stepped(self) -> None:
         if self.in_step:
-            self.marks.append(_OPTIMIZER_END)
-            self.stamps.append(self.now())
+            self._marks.append(_OPTIMIZER_END)
+            self._stamps.append(self._now())
             self._stepped = True
 
     def count_grad_sync(self) -> None:
@@ -167,7 +163,7 @@ class StepRecorder:
     def use_clock(self, clock: Clock, memory: Callable[[], float]) -> None:
         """Switch clocks before the first step (e.g. to CUDA events, with the allocator's high-water mark)."""
         self.clock = clock
-        self.now = clock.now
+        self._now = clock.now
         self._host_clock = clock.__class__ is HostClock
         self._memory = memory
 
@@ -178,7 +174,7 @@ class StepRecorder:
         self.in_step = False
         self.wants_fingerprint = False
         self._stepped = False
-        self.marks, self.stamps = [], []
+        self._marks, self._stamps = [], []
 
     @property
     def stopped(self) -> bool:
@@ -196,7 +192,7 @@ class StepRecorder:
     def progress(self) -> tuple[tuple[int, int, int], int | None]:
         """For another thread: a signature that changes with every mark, and the latest mark (or None).
         Reads only; safe while the training thread appends."""
-        marks = self.marks
+        marks = self._marks
         n = len(marks)
         return (self.steps_done, id(marks), n), (marks[n - 1] if n else None)
 
@@ -230,9 +226,9 @@ class StepRecorder:
         done = self.steps_done + 1
         if done % MEMORY_EVERY == 0 or self._last_memory != self._last_memory:
             self._last_memory = self._memory()
-        closed = self._as_closed(done, self.marks, self.stamps)  # shares the lists: the end stamp
-        self.marks.append(_STEP_END)  # below belongs to it
-        self.stamps.append(self.now())
+        closed = self._as_closed(done, self._marks, self._stamps)  # shares the lists: the end stamp
+        self._marks.append(_STEP_END)  # below belongs to it
+        self._stamps.append(self._now())
         # A SIGTERM handler may read `pending_rows` between any two lines: the step is in the window or the
         # open stepped step, one statement apart, and the counters move after it.
         self.window.append(closed)
@@ -265,7 +261,7 @@ class StepRecorder:
         top never came: a hang or a signal before it). Copies only; for another thread."""
         if not (self.in_step and self._stepped):
             return None
-        stamps, marks = list(self.stamps), list(self.marks)  # stamps first: each mark precedes its stamp
+        stamps, marks = list(self._stamps), list(self._marks)  # stamps first: each mark precedes its stamp
         n = min(len(marks), len(stamps))
         if n == 0:
             return None

@@ -67,10 +67,9 @@ def attribute(marks: Sequence[int], times_ms: Sequence[float]) -> tuple[list[flo
         return acc[:-1], 0.0, 0.0
     stack: list[int] = []
     prev = times_ms[0]
-    for i, (mark, t) in enumerate(zip(marks, times_ms, strict=False)):
-        if i:
-            acc[stack[-1] if stack else OTHER] += t - prev
-            prev = t
+    for mark, t in zip(marks, times_ms, strict=False):  # (the first interval is empty)
+        acc[stack[-1] if stack else OTHER] += t - prev
+        prev = t
         opens, closes = _TRANSITIONS.get(mark, (None, None))
         if closes is not None and closes in stack:
             del stack[len(stack) - 1 - stack[::-1].index(closes) :]  # the innermost open one
