@@ -11,6 +11,8 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import os
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -107,21 +109,18 @@ class Workers:
                         f"{timeout_s:g} s (a collective some rank never joined?); they were killed"
                     )
         except mp.ProcessRaisedException as exc:
-            first = self.first_failure()
-            if first is not None:
-                rank, failure = first
-                raise WorkerError(f"rank {rank} failed: {failure['error']}\n{failure['traceback']}") from None
             lines = [line for line in str(exc).strip().splitlines() if line.strip()]
-            raise WorkerError(
+            raise self.first_failure() or WorkerError(
                 f"rank {exc.error_index} failed: {lines[-1].strip() if lines else exc}\n{exc}"
             ) from None
         except mp.ProcessExitedException as exc:
-            raise WorkerError(f"rank {exc.error_index} died: {exc}") from None
+            # A rank can also die by a signal after recording its error, on its way out.
+            raise self.first_failure() or WorkerError(f"rank {exc.error_index} died: {exc}") from None
         finally:
             spawn_log.setLevel(level)
 
-    def first_failure(self) -> tuple[int, dict[str, Any]] | None:
-        """The rank that recorded its failure first, with what it recorded; None when none could."""
+    def first_failure(self) -> WorkerError | None:
+        """The error of the rank that recorded its failure first; None when none could."""
         failures = []
         for rank in range(len(self.context.processes)):
             key = FAILURE_KEY.format(rank=rank)
@@ -130,7 +129,7 @@ class Workers:
         if not failures:
             return None
         failure, rank = min(failures, key=lambda f: f[0]["t"])
-        return rank, failure
+        return WorkerError(f"rank {rank} failed: {failure['error']}\n{failure['traceback']}")
 
     def stop(self) -> None:
         for process in self.context.processes:  # only stragglers of a failed or timed-out run are alive
@@ -182,6 +181,12 @@ def _worker(rank: int, job: dict[str, Any]) -> None:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    # The work is done and rank 0's results are on disk: leave without the interpreter's shutdown. In it, about
+    # one run in 100 here aborted in C++ after everything had succeeded (SIGABRT, "terminate called without an
+    # active exception", no Python frame left on the stack), which the caller could only report as a dead rank.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _train_rank(rank: int, job: dict[str, Any]) -> None:

@@ -181,9 +181,19 @@ def test_the_rank_that_failed_first_is_named_not_the_peer_it_took_down():
     with pytest.raises(WorkerError) as info:
         Workers(BothFailed(), store).wait(5)
     assert str(info.value) == "rank 1 failed: RuntimeError: rank 1 cannot do this\ntb 1"
+    # A rank may also die by a signal after recording its error (an abort on its way out): the record wins.
+    class DiedOnItsWayOut(BothFailed):
+        def join(self, timeout):
+            raise mp.ProcessExitedException("terminated with signal SIGABRT", 0, 1000, -6, "SIGABRT")
+
+    with pytest.raises(WorkerError, match="rank 1 failed: RuntimeError: rank 1 cannot do this"):
+        Workers(DiedOnItsWayOut(), store).wait(5)
     store.delete_key(FAILURE_KEY.format(rank=1))  # a rank that died without a word: the earliest record
     with pytest.raises(WorkerError, match="rank 0 failed: RuntimeError: Connection closed by peer"):
         Workers(BothFailed(), store).wait(5)
+    store.delete_key(FAILURE_KEY.format(rank=0))
+    with pytest.raises(WorkerError, match="rank 0 died: terminated with signal SIGABRT"):
+        Workers(DiedOnItsWayOut(), store).wait(5)
 
 
 @pytest.mark.multiproc
