@@ -181,6 +181,7 @@ def test_the_rank_that_failed_first_is_named_not_the_peer_it_took_down():
     with pytest.raises(WorkerError) as info:
         Workers(BothFailed(), store).wait(5)
     assert str(info.value) == "rank 1 failed: RuntimeError: rank 1 cannot do this\ntb 1"
+
     # A rank may also die by a signal after recording its error (an abort on its way out): the record wins.
     class DiedOnItsWayOut(BothFailed):
         def join(self, timeout):

@@ -49,6 +49,8 @@ class Job(pl.LightningModule):
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> Any:
         x, y = batch
         last_rank = self.global_rank == self.trainer.world_size - 1
+        if self.args.work_ms:
+            spin(self.args.work_ms)
         if self.args.spin_ms and last_rank:
             spin(self.args.spin_ms)
         if (
@@ -155,6 +157,9 @@ def main() -> None:
     p.add_argument("--width", type=int, default=128)
     p.add_argument("--depth", type=int, default=0, help="hidden width x width layers (compute per sample)")
     p.add_argument("--batches-per-epoch", type=int, default=1000)
+    p.add_argument(
+        "--work-ms", type=float, default=0.0, help="busy-wait on every rank in every training_step"
+    )
     p.add_argument(
         "--spin-ms", type=float, default=0.0, help="busy-wait on the last rank in every training_step"
     )
