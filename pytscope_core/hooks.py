@@ -47,7 +47,7 @@ class TorchHooks:
         self.recorder = recorder
         self.loader_watched = False
         self.is_ddp = False
-        self.paused = False  # set by the scope around evaluation / checkpointing
+        self._paused = False  # pause() / resume(), around evaluation or checkpointing
         self.recording = True  # active, and neither paused nor between epochs (kept by `_update`)
         self._epoch_paused = False  # from a loader's last batch to the next epoch's first fetch
         self._on_error = on_error
@@ -70,7 +70,7 @@ class TorchHooks:
         self._update()
 
     def _update(self) -> None:
-        self.recording = self.backward.active and not self.paused and not self._epoch_paused
+        self.recording = self.backward.active and not self._paused and not self._epoch_paused
 
     # -- installation ---------------------------------------------------------------------------------
     def watch_model(self, model: Any) -> None:
@@ -260,7 +260,7 @@ class TorchHooks:
 
     # -- data -----------------------------------------------------------------------------------------
     def next_batch(self, it: Iterator[Any]) -> Any:
-        if self.paused or not self.backward.active:  # e.g. evaluating over the training loader in a pause
+        if self._paused or not self.backward.active:  # e.g. evaluating over the training loader in a pause
             return next(it)
         try:
             self.data_begin()
@@ -311,12 +311,12 @@ class TorchHooks:
             self.recorder.set_fingerprint(fingerprint(t if hasattr(t, "dtype") else first_tensor(batch)))
 
     def pause(self) -> None:
-        self.paused = True
+        self._paused = True
         self._update()
         self.recorder.mark(_PAUSE_BEGIN)
 
     def resume(self) -> None:
-        self.paused = False
+        self._paused = False
         self._update()
         self.recorder.mark(_PAUSE_END)
 
