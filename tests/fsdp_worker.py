@@ -3,11 +3,12 @@
 By default two `fully_shard` units (one block and the root) and Adam, sized so that compute dominates the step
 on 2 shared cores: about 190 ms per step, of which gloo's all-gathers and reduce-scatters (about 4 ms each on
 such a machine, whatever their size) are about 15%. Options change the size (`width`, `batch`, `blocks`,
-`repeat`) and inject one behaviour at a time, always by busy-waiting (never sleeping): a slow last rank
-(`spin_ms`, or `slow_fraction` of the step as measured on warm-up steps 2-5), a rank that blocks at one step,
-gradient accumulation with `set_requires_gradient_sync(False)` on all but the last micro-batch; `wrapper="tp"`
-trains the same model tensor-parallel (DTensor), whose communication pytscope does not measure (FSDP1 would do
-as well, but it needs an accelerator).
+`repeat`), add forward work of a fixed wall time on every rank (`work_ms`), and inject one behaviour at a
+time, always by busy-waiting (never sleeping): a slow last rank (`spin_ms`, or `slow_fraction` of the step as
+measured on warm-up steps 2-5), a rank that blocks at one step, gradient accumulation with
+`set_requires_gradient_sync(False)` on all but the last micro-batch; `wrapper="tp"` trains the same model
+tensor-parallel (DTensor), whose communication pytscope does not measure (FSDP1 would do as well, but it needs
+an accelerator).
 """
 
 from __future__ import annotations
@@ -94,6 +95,8 @@ def _main(rank: int, world: int, port: int, o: dict[str, Any]) -> None:
     model = make_model(
         o.get("wrapper", "fsdp2"), o.get("width", WIDTH), o.get("blocks", BLOCKS), o.get("repeat", REPEAT)
     )
+    if o.get("work_ms"):  # forward work that takes the same wall time on every rank, however busy the cores
+        model[0].register_forward_pre_hook(lambda *_: spin(o["work_ms"]))
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     scope = Scope(
         o["run_dir"],

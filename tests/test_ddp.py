@@ -178,7 +178,11 @@ def test_evaluation_on_rank_0_only_is_not_imbalance_and_does_not_break_gathers(t
     waiting = s["distributed"]["per_rank"][1]
     assert waiting["comm_ms"] < 50, waiting  # not 400 ms every 20th step (medians hide that: check means)
     arrays = load_run(tmp_path).arrays
-    assert np.nanmax(arrays.comm_ms[:, 1]) < 200, np.nanmax(arrays.comm_ms[:, 1])
+    # Past the warm-up, where rank 1 also waits while rank 0 opens the run (imports, the reporter).
+    evaluated = arrays.excluded_ms[:, 0] >= 400
+    assert evaluated.sum() == 5 and arrays.counted[evaluated].all()  # each evaluation's wait is checked
+    waits = arrays.comm_ms[arrays.counted, 1]
+    assert np.nanmax(waits) < 200, waits
     assert not {"DIST.LOAD_IMBALANCE", "DIST.STRAGGLER", "DIST.COMM_BOUND"} & {
         f["code"] for f in s["findings"]
     }
