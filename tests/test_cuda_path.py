@@ -6,6 +6,7 @@ import json
 import time
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -107,4 +108,5 @@ def test_each_cuda_event_stamps_one_mark_and_returns_to_the_pool_once(tmp_path, 
     assert arrays.n_steps == 60
     other = arrays.phases[:, 0, PHASES.index("other")]
     backward = arrays.phases[:, 0, PHASES.index("backward")]
-    assert (other[5:] > 1.5).all() and (backward[5:] < 1.5).all()
+    # Every step sleeps 2 ms in other; a backward of microseconds passes 1.5 ms only when preempted.
+    assert (other[5:] > 1.5).all() and np.quantile(backward[5:], 0.9) < 1.5
