@@ -49,7 +49,7 @@ class BackwardTimer:
         self.in_backward = False  # forwards run inside backward (recomputation) are not training forwards
         self._on_error = on_error
         self._sync_pending = False  # this micro-batch's backward all-reduces (DDP outside no_sync())
-        self.awaiting = False  # a forward ended and no hooked gradient has become ready since: `settle()`
+        self._awaiting = False  # a forward ended and no hooked gradient has become ready since
         self._params: list[Any] = []  # every parameter watched for gradients
         self._grad_hooks: list[tuple[Any, Any]] = []  # (param, handle) watching for backward's first gradient
         self._kept: set[int] = set()  # ids of the parameters whose hooks stay after learning
@@ -87,10 +87,9 @@ class BackwardTimer:
 
     def forward_done(self, output: Any, grad_sync: bool) -> None:
         """A micro-batch's forward ended; without parameter hooks, its backward is timed from `output`."""
-        if self.awaiting:
-            self.settle()
+        self.settle()
         self._sync_pending = grad_sync
-        self.awaiting = True
+        self._awaiting = True
         if not self._grad_hooks and output is not None:
             t = first_grad_tensor(output)
             if t is not None:
@@ -102,9 +101,9 @@ class BackwardTimer:
         """The last forward's backward has run by now (the next forward ended, or the optimizer steps). If no
         hook saw it begin, count its gradient sync all the same (every rank counts each synced backward once,
         whichever parameters it reached) and learn, at the next backward, which gradients come first there."""
-        if not self.awaiting:
+        if not self._awaiting:
             return
-        self.awaiting = False
+        self._awaiting = False
         if self._sync_pending:
             self._sync_pending = False
             self.recorder.count_grad_sync()
@@ -123,7 +122,7 @@ class BackwardTimer:
         if not self.active or self.in_backward:
             return
         self.in_backward = True
-        self.awaiting = False
+        self._awaiting = False
         self.recorder.mark(_BACKWARD_BEGIN)
         assert self._queue_callback is not None
         self._queue_callback(self._graph_done)
@@ -145,15 +144,12 @@ class BackwardTimer:
 
     def _graph_done(self) -> None:
         try:
-            rec = self.recorder
+            self.recorder.mark(_GRAPH_DONE)
             if self._sync_pending:
-                rec.mark(_GRAPH_DONE)
                 assert self._queue_callback is not None
                 self._queue_callback(self._end)  # runs after DDP's finalize, queued before it
-            else:  # nothing to wait for: backward ends here, with no second callback
-                self.in_backward = False
-                rec.mark(_GRAPH_DONE)
-                rec.mark(_BACKWARD_END)
+            else:
+                self._end()  # nothing to wait for: backward ends here, with no second callback
             if self._ready_order is not None:
                 self._keep_first_ready()
         except Exception as exc:

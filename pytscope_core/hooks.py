@@ -238,8 +238,7 @@ class TorchHooks:
     def optimizer_begin(self) -> None:
         """The optimizer step starts: the step's forwards and backwards are done (a FLOP count ends here)."""
         self.recorder.mark(_OPTIMIZER_BEGIN)
-        if self.backward.awaiting:
-            self.backward.settle()
+        self.backward.settle()
         if self.flop_estimate is not None and self.flop_estimate.counting:
             self.flop_estimate.end()
             self.flop_estimate = None

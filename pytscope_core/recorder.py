@@ -106,8 +106,7 @@ class StepRecorder:
                 if self.on_step_closed is not None:
                     self.on_step_closed()  # may gather (or stop the recorder): the next step starts after it
         elif self.in_step:
-            self._marks.append(mark)
-            self._stamps.append(self._now())
+            self.mark(mark)
             return
         if self._stopped:
             return
