@@ -40,6 +40,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--spin-ms", type=float, default=STRAGGLER_SPIN_MS, help="the straggler's busy-wait per step"
     )
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    p.add_argument(
+        "--dynamo-backend",
+        default=None,
+        help='compile the prepared model with torch.compile and this backend (e.g. "inductor", "aot_eager")',
+    )
     p.add_argument("--save-at", type=int, default=None, help="accelerator.save_state after this step")
     p.add_argument("--kill-at", type=int, default=None, help="every rank SIGKILLs itself after this step")
     p.add_argument("--resume", default=None, help="checkpoint directory to load_state from")
@@ -93,7 +98,7 @@ def whole_batch(batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor,
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.manual_seed(0)
-    accelerator = Accelerator(gradient_accumulation_steps=args.grad_accum)
+    accelerator = Accelerator(gradient_accumulation_steps=args.grad_accum, dynamo_backend=args.dynamo_backend)
     # Exactly one epoch of batches for the whole run on every rank, so the example needs no epoch loop.
     dataset = SyntheticData(args.steps * args.grad_accum * BATCH * accelerator.num_processes)
     loader = DataLoader(dataset, batch_size=BATCH, collate_fn=whole_batch)

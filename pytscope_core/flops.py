@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from .compiled import is_compiled
+
 # Dense figures only: data sheets print sparse numbers (2x) next to dense ones, and mixing them up doubles
 # MFU. TF32 is what fp32 matmuls run at when TF32 is allowed; "fp32" is the plain (non-tensor-core) rate.
 PEAK_FLOPS_BY_PRECISION: dict[str, dict[str, float]] = {
@@ -79,10 +81,14 @@ def training_precision(param_dtype: Any, autocast: bool) -> str:
 class FlopEstimate:
     """FLOPs of one optimizer step, counted once by torch's `FlopCounterMode` on a warm-up step.
 
-    The hooks enter the counter at the first forward of step `at_step` and leave it before that step's
-    optimizer step, so every micro-batch's forward and backward count (autograd threads inherit the mode).
-    The counted step runs slower, which is why it is a warm-up step: statistics never see it. `on_done`
-    receives the total (None when counting failed or found nothing); counting never raises into training.
+    The hooks call `begin` at every forward: the counter is entered at the first forward of step `at_step`
+    and left at the first forward of a later step, so every micro-batch's forward and backward count
+    (autograd threads inherit the mode), and so does the optimizer's own matrix products (none for SGD or
+    Adam; Muon's, say). It is never left inside the optimizer step: that may be compiled code, and leaving a
+    dispatch mode there corrupts the thread's dispatch state when the compiled frame ends. The counted step
+    runs slower, which is why it is a warm-up step, and so is the next one: statistics never see them.
+    `on_done` receives the total (None when counting failed or found nothing); counting never raises into
+    training.
     """
 
     def __init__(self, at_step: int, on_done: Callable[[float | None], None]) -> None:
@@ -95,8 +101,17 @@ class FlopEstimate:
     def counting(self) -> bool:
         return self._mode is not None
 
+    @property
+    def done(self) -> bool:
+        """Counted, or given up: `begin` does nothing any more."""
+        return self._done
+
     def begin(self, step: int) -> None:
-        if self._done or self._mode is not None or step != self.at_step:
+        if self._mode is not None:
+            if step != self.at_step:
+                self.end()
+            return
+        if self._done or step != self.at_step:
             return
         try:
             from torch.utils.flop_counter import FlopCounterMode
@@ -144,9 +159,9 @@ class StepFlops:
         self.estimate = FlopEstimate(self.counting_step(0), self._counted) if flops_per_step is None else None
 
     def counting_step(self, resumed_from_step: int) -> int:
-        """A warm-up step (the counter slows it), not the first (lazy initialisation runs there); with no
-        warm-up, none (0 never comes: steps count from 1)."""
-        return resumed_from_step + (2 if self.warmup >= 2 else 1 if self.warmup == 1 else 0)
+        """A warm-up step followed by another (the counter slows both), not the first where the warm-up allows
+        (lazy initialisation runs there); with no warm-up, none (0 never comes: steps count from 1)."""
+        return resumed_from_step + (2 if self.warmup >= 3 else 1 if self.warmup >= 1 else 0)
 
     def resumed(self, resumed_from_step: int) -> None:
         if self.estimate is not None:
@@ -163,6 +178,10 @@ class StepFlops:
             self.estimate = None
 
     def note_model(self, model: Any) -> None:
+        if self.estimate is not None and is_compiled(model):
+            # Compiled code cannot run under the counter (torch.compile falls back to eager for the step, or
+            # raises with fullgraph=True): FLOPs come from `flops_per_step` only.
+            self.cancel()
         if self.precision is None:
             param = next(iter(model.parameters()), None)
             if param is not None:

@@ -94,6 +94,30 @@ class FSDPCommTimer:
     def is_unit(self, module: Any) -> bool:
         return any(u is module for u in self._units)
 
+    def time_root_forward(
+        self, root: Any, entered: Callable[[Any], None], left: Callable[[Any, Any], None]
+    ) -> None:
+        """The root unit's forward marks (`entered(args)`, `left(module, output)`), from module hooks placed
+        outside FSDP's: forward begins before FSDP's pre-forward (the root's all-gather), before `forward` is
+        even called, and ends before its post-forward (which hooks the output). FSDP's hooks already took the
+        root off nn.Module's fast path, so these cost no more than a wrapper would."""
+        timing = [False]
+
+        def before(mod: Any, args: Any) -> None:
+            timing[0] = (
+                self._recording() and not self._in_backward() and mod.training and self._grad_enabled()
+            )
+            if timing[0]:
+                entered(args)
+
+        def after(mod: Any, args: Any, output: Any) -> None:
+            if timing[0]:
+                timing[0] = False
+                left(mod, output)
+
+        self._handles.append(root.register_forward_pre_hook(before, prepend=True))
+        self._handles.append(root.register_forward_hook(after, prepend=True))
+
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()

@@ -5,6 +5,11 @@ hooks FSDP itself registers per step: `fsdp.py`). The model instance's `forward`
 (module hooks would take every call off nn.Module's fast path); backward and exposed communication are
 timed from the autograd engine (`backward.BackwardTimer`); optimizer steps from torch's step hooks; the
 loader by giving that one instance a subclass whose iterator marks the wait for each batch (`loader.py`).
+
+A compiled model is timed from outside what torch.compile traces: `torch.compile(model)` returns a wrapper
+whose `forward` calls the compiled code, and `model.compile()` compiles the module's whole call, so there the
+wrapper goes around that call instead. A wrapper that torch.compile reaches all the same (the model was
+compiled after `watch`) steps aside while traced: it never adds a graph break or a guard.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from typing import Any
 
 from .backward import BackwardTimer
 from .batches import fingerprint, first_tensor
+from .compiled import CallWrappers, is_compiling_function, outside_compiled, uncompiled
 from .flops import FlopEstimate
 from .fsdp import FSDPCommTimer
 from .loader import watch_loader
@@ -29,6 +35,10 @@ _FORWARD_BEGIN = int(Mark.FORWARD_BEGIN)
 _OPTIMIZER_BEGIN = int(Mark.OPTIMIZER_BEGIN)
 _PAUSE_BEGIN = int(Mark.PAUSE_BEGIN)
 _PAUSE_END = int(Mark.PAUSE_END)
+FORWARD_UNSEEN = (
+    "the watched model's training forward was not seen: if it was compiled after watch(), watch the model "
+    "torch.compile returned (forward and gradient communication are not timed)"
+)
 
 
 def unwrap_optimizer(optimizer: Any) -> Any:
@@ -43,7 +53,12 @@ def unwrap_optimizer(optimizer: Any) -> Any:
 class TorchHooks:
     """Owns every hook handle, so that `remove()` leaves the user's objects as they were."""
 
-    def __init__(self, recorder: StepRecorder, on_error: Callable[[BaseException], None]) -> None:
+    def __init__(
+        self,
+        recorder: StepRecorder,
+        on_error: Callable[[BaseException], None],
+        warn: Callable[[str], None] = print,
+    ) -> None:
         self.recorder = recorder
         self.loader_watched = False
         self.is_ddp = False
@@ -53,12 +68,14 @@ class TorchHooks:
         self._on_error = on_error
         self._handles: list[Any] = []
         self._undo: list[Callable[[], None]] = []  # puts each watched loader back as it was
-        self._models: list[tuple[Any, Any]] = []  # (model, the instance `forward` it had before, if any)
+        self.wrappers = CallWrappers(self._timed_forward)  # on each watched model's (compiled) call
         self.backward = BackwardTimer(recorder, on_error)
         self.sharded: FSDPCommTimer | None = None  # FSDP2: the all-gather and reduce-scatter waits
         self._batch_samples = math.nan
         self.flop_estimate: FlopEstimate | None = None  # set by the scope when FLOPs per step are unknown
         self.first_forward: Callable[[], None] | None = None  # called once, inside the first training forward
+        self._warn = warn  # says what limits the measurement, once, without disabling anything
+        self._forward_checked = False  # forward_unseen() has run
 
     @property
     def active(self) -> bool:
@@ -77,17 +94,29 @@ class TorchHooks:
         """Time the forward of `model` (its instance `forward` is wrapped: registered module hooks would
         push every call off nn.Module's fast path, ~8 us) and its backward (`watch_backward`). An FSDP2 root
         is timed by module hooks around FSDP's own instead: its forward starts with FSDP's all-gather, before
-        `forward` is even called, and FSDP's hooks already took it off the fast path."""
+        `forward` is even called, and FSDP's hooks already took it off the fast path. A model compiled in
+        place (`model.compile()`) has its compiled call wrapped, outside what torch.compile traces."""
         import torch
 
-        self.is_ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
+        self.is_ddp = isinstance(uncompiled(model), torch.nn.parallel.DistributedDataParallel)
         self.watch_backward(model)
         if self.sharded is not None and self.sharded.is_unit(model):
-            self._handles.extend(self._hooked_forward(model))
+            self.sharded.time_root_forward(model, self._forward_entered, self._forward_left)
             return
-        before = model.__dict__.get("forward")
-        model.forward = self._timed_forward(model, model.forward)
-        self._models.append((model, before))
+        self.wrappers.wrap(model)
+
+    def forward_unseen(self) -> None:
+        """A step went by without the watched model's training forward (checked once): the model was compiled
+        after `watch`, and its wrapper steps aside inside the compiled code. Compiled in place, its compiled
+        call is wrapped now (and no FLOPs are counted around compiled code); compiled into a new module,
+        which pytscope cannot see, that is said."""
+        if self._forward_checked or not self.wrappers:
+            return
+        self._forward_checked = True
+        if not self.wrappers.follow_compiled():
+            self._warn(FORWARD_UNSEEN)
+        elif self.flop_estimate is not None:
+            self.flop_estimate.cancel()
 
     def watch_backward(self, model: Any) -> None:
         """Time backward (and exposed communication) from `model`'s parameters; under FSDP2, also the
@@ -103,8 +132,8 @@ class TorchHooks:
         the integration then marks the optimizer's start itself."""
         inner = unwrap_optimizer(optimizer)
         if pre_hook:
-            self._handles.append(inner.register_step_pre_hook(self._optimizer_pre))
-        self._handles.append(inner.register_step_post_hook(self._optimizer_post))
+            self._handles.append(inner.register_step_pre_hook(outside_compiled(self._optimizer_pre)))
+        self._handles.append(inner.register_step_post_hook(outside_compiled(self._optimizer_post)))
 
     def watch_loader(self, loader: Any) -> None:
         undo = watch_loader(loader, self)
@@ -123,26 +152,31 @@ class TorchHooks:
         self.backward.remove()
         if self.sharded is not None:
             self.sharded.remove()
-        for model, before in self._models:
-            if before is None:
-                model.__dict__.pop("forward", None)
-            else:
-                model.forward = before
-        self._models.clear()
+        self.wrappers.remove()
         for undo in self._undo:
             undo()
         self._undo.clear()
 
     # -- model ----------------------------------------------------------------------------------------
     def _timed_forward(self, module: Any, forward: Callable[..., Any]) -> Callable[..., Any]:
+        """`forward` with the marks around it; `module` is the one whose `training` flag (and DDP's flags)
+        count: for a compiled model, the module inside the wrapper."""
         import torch
 
         is_grad_enabled = torch.is_grad_enabled
+        is_compiling = is_compiling_function()
         backward = self.backward
 
         def timed(*args: Any, **kwargs: Any) -> Any:
-            # Recomputation inside backward, and evaluation in a pause or between epochs, are not training.
-            if not self.recording or backward.in_backward or not module.training or not is_grad_enabled():
+            # Traced by torch.compile (checked first, so nothing below becomes a guard); recomputation inside
+            # backward, and evaluation in a pause or between epochs, are not training.
+            if (
+                is_compiling()
+                or not self.recording
+                or backward.in_backward
+                or not module.training
+                or not is_grad_enabled()
+            ):
                 return forward(*args, **kwargs)
             self._forward_entered(args)
             output = forward(*args, **kwargs)
@@ -150,31 +184,6 @@ class TorchHooks:
             return output
 
         return timed
-
-    def _hooked_forward(self, module: Any) -> list[Any]:
-        """The wrapper's marks from module hooks placed outside FSDP's: forward begins before FSDP's
-        pre-forward (the root's all-gather) and ends before its post-forward (which hooks the output)."""
-        import torch
-
-        is_grad_enabled = torch.is_grad_enabled
-        timing = [False]
-
-        def before(mod: Any, args: Any) -> None:
-            timing[0] = (
-                self.recording and not self.backward.in_backward and mod.training and is_grad_enabled()
-            )
-            if timing[0]:
-                self._forward_entered(args)
-
-        def after(mod: Any, args: Any, output: Any) -> None:
-            if timing[0]:
-                timing[0] = False
-                self._forward_left(mod, output)
-
-        return [
-            module.register_forward_pre_hook(before, prepend=True),
-            module.register_forward_hook(after, prepend=True),
-        ]
 
     def _forward_entered(self, args: Any) -> None:
         rec = self.recorder
@@ -185,7 +194,7 @@ class TorchHooks:
                 self.note_batch(args)
                 rec.loop_top(_FORWARD_BEGIN)
             if self.flop_estimate is not None:
-                self.flop_estimate.begin(rec.steps_done + 1)
+                self._count_flops()
             if self.first_forward is not None:
                 probe, self.first_forward = self.first_forward, None
                 probe()
@@ -222,10 +231,17 @@ class TorchHooks:
 
     def forward_begin(self) -> None:
         """Start of a micro-batch's forward, for integrations that see the loop (the wrapper does it itself)."""
-        rec = self.recorder
-        rec.mark(_FORWARD_BEGIN)
+        self.recorder.mark(_FORWARD_BEGIN)
         if self.flop_estimate is not None:
-            self.flop_estimate.begin(rec.steps_done + 1)
+            self._count_flops()
+
+    def _count_flops(self) -> None:
+        """At each training forward while a FLOP count is due or running (`FlopEstimate.begin`)."""
+        estimate = self.flop_estimate
+        assert estimate is not None
+        estimate.begin(self.recorder.steps_done + 1)
+        if estimate.done:
+            self.flop_estimate = None
 
     def forward_done(self, output: Any, grad_sync: bool) -> None:
         """End of a micro-batch's forward. Without gradient-ready hooks (`watch_backward`), the backward is
@@ -236,12 +252,9 @@ class TorchHooks:
 
     # -- optimizer ------------------------------------------------------------------------------------
     def optimizer_begin(self) -> None:
-        """The optimizer step starts: the step's forwards and backwards are done (a FLOP count ends here)."""
+        """The optimizer step starts: the step's forwards and backwards are done."""
         self.recorder.mark(_OPTIMIZER_BEGIN)
         self.backward.settle()
-        if self.flop_estimate is not None and self.flop_estimate.counting:
-            self.flop_estimate.end()
-            self.flop_estimate = None
 
     def _optimizer_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self.backward.active:
@@ -253,7 +266,10 @@ class TorchHooks:
     def _optimizer_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self.backward.active:
             try:
-                self.recorder.optimizer_stepped()
+                if self.recorder.in_step:
+                    self.recorder.optimizer_stepped()
+                elif not self._forward_checked:  # no loop top came: the forward opens steps, and went unseen
+                    self.forward_unseen()
             except Exception as exc:
                 self._on_error(exc)
 

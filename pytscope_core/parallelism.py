@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from .compiled import uncompiled
+
 DDP = "ddp"
 FSDP2 = "fsdp2"
 FSDP2_TP = "fsdp2+tp"
@@ -73,7 +75,14 @@ def current_world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
+def current_rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
 def _name(model: Any) -> str:
+    model = uncompiled(model)
     if model is None:
         return NONE
     if any(c.__name__ in ("DeepSpeedEngine", "PipelineEngine") for c in type(model).__mro__):

@@ -31,7 +31,7 @@ from .findings import Finding
 from .flops import StepFlops
 from .hooks import TorchHooks
 from .options import ScopeOptions
-from .parallelism import UNWATCHED, current_world_size, detect
+from .parallelism import UNWATCHED, current_rank, current_world_size, detect
 from .recorder import StepRecorder
 from .session import RunSession
 
@@ -62,7 +62,7 @@ class Scope:
         self.flops = StepFlops(options.flops_per_step, options.warmup, precision)
         self.recorder = StepRecorder(clock=clock, step_origin=step_origin)
         self.recorder.on_step_closed = self._after_step
-        self.hooks = TorchHooks(self.recorder, self.fail)
+        self.hooks = TorchHooks(self.recorder, self.fail, self.note_error)
         self.coordinator = Coordinator(self.recorder, options.interval, options.gather_timeout)
         self.session: RunSession | None = None  # from start() to the end
         self.metrics_sink: Callable[[dict[str, float], int], None] | None = None
@@ -83,7 +83,7 @@ class Scope:
 
     @property
     def rank(self) -> int:
-        return self.coordinator.rank
+        return self.coordinator.rank if self._started else current_rank()  # the coordinator's: from start
 
     @property
     def world_size(self) -> int:
@@ -262,6 +262,8 @@ class Scope:
             return
         try:
             if not self._started:
+                if self.recorder.window[-1].micro == 0:
+                    self.hooks.forward_unseen()
                 self.start()
                 self.coordinator.schedule(syncs_seen=self.hooks.is_ddp or self.hooks.sharded is not None)
             elif self.coordinator.due() and self.session is not None:

@@ -59,8 +59,11 @@ def codes(summary: dict[str, Any]) -> list[str]:
     return [f["code"] for f in summary["findings"]]
 
 
-def test_busy_rank_is_the_only_straggler(tmp_path: Path) -> None:
+@pytest.mark.parametrize("dynamo_backend", [None, "aot_eager"], ids=["eager", "compiled"])
+def test_busy_rank_is_the_only_straggler(tmp_path: Path, dynamo_backend: str | None) -> None:
+    # Compiled: Accelerate wraps the DDP model in torch.compile's module; what it holds is still DDP.
     run_dir = tmp_path / "run"
+    compiled = ("--dynamo-backend", dynamo_backend) if dynamo_backend else ()
     # A large injected effect (10 ms on a ~12 ms step): the test holds with another process on the cores.
     launch(
         "--straggler",
@@ -73,9 +76,11 @@ def test_busy_rank_is_the_only_straggler(tmp_path: Path) -> None:
         "--run-dir",
         str(run_dir),
         "--no-console",
+        *compiled,
     )
     s = report(run_dir)
     assert s["run"]["world_size"] == 2 and s["run"]["steps"] == 150
+    assert s["run"]["parallelism"] == "ddp" and s["scope"]["errors"] == []
     assert s["distributed"]["stragglers"] == [1]
     assert (
         s["data"]["steps_checked"] >= 15 and s["data"]["duplicated_share"] == 0

@@ -43,14 +43,15 @@ def test_torch_not_imported_at_module_level():
 
 
 def count_step(at_step, steps, body):
-    """Drive a FlopEstimate as the hooks do: begin at each step's forward, end before its optimizer."""
+    """Drive a FlopEstimate as the hooks do: begin at each step's forward (which ends a count of an earlier
+    step), end at the close of the run."""
     results = []
     est = FlopEstimate(at_step, results.append)
     for step in steps:
         est.begin(step)
         body()
-        if est.counting:
-            est.end()
+    if est.counting:
+        est.end()
     return results
 
 

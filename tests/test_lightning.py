@@ -377,6 +377,28 @@ def test_mfu_through_the_callback(
     assert "pytscope/mfu" in logged.splitlines()[0]  # live metrics carry MFU to Lightning's loggers
 
 
+@pytest.mark.parametrize("flops_per_step", [None, 1e6])
+def test_a_compiled_module_fits_with_fullgraph_and_is_timed(
+    tmp_path: Path, flops_per_step: float | None
+) -> None:
+    # Lightning puts the compiled forward on the module itself. FLOPs cannot be counted under compiled code
+    # (the counter's dispatch mode made torch.compile skip the step, which fullgraph=True turns into an error),
+    # so MFU needs them given.
+    run_dir = tmp_path / "run"
+    given = ("--flops-per-step", flops_per_step) if flops_per_step else ()
+    _run(
+        JOB, "--run-dir", run_dir, "--steps", 30, "--interval", 10, "--compile", "aot_eager", "--peak-flops", 1e10,
+        *given, cwd=tmp_path,
+    )  # fmt: skip
+    run = load_run(run_dir)
+    summary = _summary(run_dir)
+    assert summary["run"]["steps"] == 30 and summary["scope"]["errors"] == []
+    assert summary["timing"]["phases"]["forward"]["median_ms"] > 0
+    assert summary["timing"]["phases"]["backward"]["median_ms"] > 0
+    assert run.context.flops_per_step == flops_per_step
+    assert (summary["efficiency"]["mfu"] is None) == (flops_per_step is None)
+
+
 def test_ranks_without_a_distributed_sampler_are_named_and_own_shards_are_not(tmp_path: Path) -> None:
     same, own = tmp_path / "same", tmp_path / "own"
     _run(JOB, "--run-dir", same, "--devices", 2, "--steps", 40, "--interval", 20, "--same-data", cwd=tmp_path)

@@ -24,6 +24,9 @@ FOREIGN_PRIVATE = {
     # read (never written) to know whether a backward reduce-scatters (fsdp.py)
     "unit._get_fsdp_state",
     "unit._get_fsdp_state()._fsdp_param_groups",
+    # torch.compile's wrapper module keeps the module it compiles there, with no public getter (compiled.py)
+    "model._orig_mod",
+    "torch._dynamo",  # torch < 2.3 has `is_compiling` there only (compiled.py)
 }
 
 

@@ -191,6 +191,11 @@ def main() -> None:
     p.add_argument(
         "--flops-per-batch", type=float, default=None, help="set on the module, as for ThroughputMonitor"
     )
+    p.add_argument(
+        "--compile",
+        default=None,
+        help="fit torch.compile(module, backend=this, fullgraph=True) (e.g. aot_eager)",
+    )
     args = p.parse_args()
 
     torch.set_num_threads(1)
@@ -240,8 +245,11 @@ def main() -> None:
 
     trainer = make_trainer(args.steps)
     result: dict[str, Any] = {}
+    module: Any = Job(args)
+    if args.compile:
+        module = torch.compile(module, backend=args.compile, fullgraph=True)
     try:
-        trainer.fit(Job(args), ckpt_path=args.ckpt_path)
+        trainer.fit(module, ckpt_path=args.ckpt_path)
     except (RuntimeError, KeyboardInterrupt) as exc:  # a notebook or sweep driver catching the failure
         result["caught"] = f"{type(exc).__name__}: {exc}"
         time.sleep(args.hang_timeout * 3 if args.hang_timeout else 0)  # a watchdog left behind would fire
