@@ -39,10 +39,18 @@ def is_compiled(model: Any) -> bool:
     for m in modules() if modules is not None else [model]:
         if isinstance(m, eval_frame.OptimizedModule) or compiled_in_place(m):
             return True
-        forward = m.__dict__.get("forward")  # Lightning's: `module.forward = torch.compile(module.forward)`
+        forward = getattr(m, "__dict__", {}).get(
+            "forward"
+        )  # Lightning's: `module.forward = torch.compile(module.forward)`
         if hasattr(forward, "_torchdynamo_orig_callable"):
             return True
     return False
+
+
+def compiled_anything() -> bool:
+    """torch.compile has compiled a graph in this process (a model, or any function a model may call)."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    return utils is not None and utils.counters["stats"]["unique_graphs"] > 0
 
 
 def is_compiling_function() -> Callable[[], bool]:

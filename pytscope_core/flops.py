@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from .compiled import is_compiled
+from .compiled import compiled_anything, is_compiled
 
 # Dense figures only: data sheets print sparse numbers (2x) next to dense ones, and mixing them up doubles
 # MFU. TF32 is what fp32 matmuls run at when TF32 is allowed; "fp32" is the plain (non-tensor-core) rate.
@@ -82,7 +82,8 @@ class FlopEstimate:
     """FLOPs of one optimizer step, counted once by torch's `FlopCounterMode` on a warm-up step.
 
     The hooks call `begin` at every forward: the counter is entered at the first forward of step `at_step`
-    and left at the first forward of a later step, so every micro-batch's forward and backward count
+    and left at the first forward of a later step (or where a pause, an epoch's end or the run's end comes
+    first: `TorchHooks.end_flop_count`), so every micro-batch's forward and backward count
     (autograd threads inherit the mode), and so does the optimizer's own matrix products (none for SGD or
     Adam; Muon's, say). It is never left inside the optimizer step: that may be compiled code, and leaving a
     dispatch mode there corrupts the thread's dispatch state when the compiled frame ends. The counted step
@@ -101,18 +102,30 @@ class FlopEstimate:
     def counting(self) -> bool:
         return self._mode is not None
 
-    @property
-    def done(self) -> bool:
-        """Counted, or given up: `begin` does nothing any more."""
-        return self._done
-
-    def begin(self, step: int) -> None:
+    def begin(self, step: int) -> bool:
+        """At a training forward of step `step`. True once counted (or given up): no need to call again."""
         if self._mode is not None:
             if step != self.at_step:
                 self.end()
-            return
-        if self._done or step != self.at_step:
-            return
+        elif not self._done and step == self.at_step:
+            if compiled_anything():  # e.g. a compiled attention function: it cannot run under the counter
+                self.cancel()
+            else:
+                self._enter()
+        return self._done
+
+    def interrupt(self, steps_completed: int) -> bool:
+        """Time that is not training comes, in eager code: a count running ends with its step if that has
+        stepped (`steps_completed` reached it), else without a result. True if a count was running."""
+        if self._mode is None:
+            return False
+        if steps_completed >= self.at_step:
+            self.end()
+        else:
+            self.cancel()
+        return True
+
+    def _enter(self) -> None:
         try:
             from torch.utils.flop_counter import FlopCounterMode
 
@@ -160,8 +173,9 @@ class StepFlops:
 
     def counting_step(self, resumed_from_step: int) -> int:
         """A warm-up step followed by another (the counter slows both), not the first where the warm-up allows
-        (lazy initialisation runs there); with no warm-up, none (0 never comes: steps count from 1)."""
-        return resumed_from_step + (2 if self.warmup >= 3 else 1 if self.warmup >= 1 else 0)
+        (lazy initialisation runs there); with a warm-up under 2 steps, none (0 never comes: steps count from
+        1)."""
+        return resumed_from_step + (2 if self.warmup >= 3 else 1 if self.warmup == 2 else 0)
 
     def resumed(self, resumed_from_step: int) -> None:
         if self.estimate is not None:

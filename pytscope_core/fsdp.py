@@ -46,6 +46,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .backward import first_grad_tensor
+from .compiled import is_compiling_function
 from .recorder import StepRecorder
 from .timeline import Mark
 
@@ -68,6 +69,9 @@ class FSDPCommTimer:
         import torch
 
         self._grad_enabled = torch.is_grad_enabled
+        self._compiling = (
+            is_compiling_function()
+        )  # a unit compiled in place runs these hooks in its compiled call
         self.recorder = recorder
         self._recording = recording  # the scope records training time now (active, not paused)
         self._in_backward = in_backward  # a forward inside backward: activation recomputation
@@ -104,6 +108,8 @@ class FSDPCommTimer:
         timing = [False]
 
         def before(mod: Any, args: Any) -> None:
+            if self._compiling():
+                return
             timing[0] = (
                 self._recording() and not self._in_backward() and mod.training and self._grad_enabled()
             )
@@ -111,7 +117,7 @@ class FSDPCommTimer:
                 entered(args)
 
         def after(mod: Any, args: Any, output: Any) -> None:
-            if timing[0]:
+            if not self._compiling() and timing[0]:
                 timing[0] = False
                 left(mod, output)
 
@@ -130,7 +136,11 @@ class FSDPCommTimer:
         return any(g.reduce_grads for g in self._groups)
 
     # -- forward: the unit's all-gather before its forward runs --------------------------------------
+    # Each hook steps aside first thing while torch.compile traces it (a unit compiled in place): marks traced
+    # into compiled code would never run, and tracing them would break the graph. That unit's waits go untimed.
     def _before_unshard(self, module: Any, args: Any) -> None:
+        if self._compiling():
+            return
         try:
             if self._recording() and module.training and self._grad_enabled():
                 self._begin()
@@ -138,7 +148,7 @@ class FSDPCommTimer:
             self._on_error(exc)
 
     def _after_unshard(self, module: Any, args: Any, kwargs: Any) -> None:
-        if not self._open:
+        if self._compiling() or not self._open:
             return
         try:
             self._end()
@@ -153,6 +163,8 @@ class FSDPCommTimer:
 
     def _before_fsdp_post_forward(self, module: Any, args: Any, output: Any) -> None:
         # Runs before FSDP's post-forward hook, which adds the pre-backward hook on the output: ours come first.
+        if self._compiling():
+            return
         try:
             if self._in_backward() or not (self._recording() and module.training and self._grad_enabled()):
                 return

@@ -20,7 +20,7 @@ from typing import Any
 
 from .backward import BackwardTimer
 from .batches import fingerprint, first_tensor
-from .compiled import CallWrappers, is_compiling_function, outside_compiled, uncompiled
+from .compiled import CallWrappers, compiled_in_place, is_compiling_function, outside_compiled, uncompiled
 from .flops import FlopEstimate
 from .fsdp import FSDPCommTimer
 from .loader import watch_loader
@@ -36,8 +36,9 @@ _OPTIMIZER_BEGIN = int(Mark.OPTIMIZER_BEGIN)
 _PAUSE_BEGIN = int(Mark.PAUSE_BEGIN)
 _PAUSE_END = int(Mark.PAUSE_END)
 FORWARD_UNSEEN = (
-    "the watched model's training forward was not seen: if it was compiled after watch(), watch the model "
-    "torch.compile returned (forward and gradient communication are not timed)"
+    "the first optimizer step came without a training forward of the watched model, so forward and gradient "
+    "communication are not timed: if the model was compiled after watch(), watch the model torch.compile "
+    "returned"
 )
 
 
@@ -75,7 +76,7 @@ class TorchHooks:
         self.flop_estimate: FlopEstimate | None = None  # set by the scope when FLOPs per step are unknown
         self.first_forward: Callable[[], None] | None = None  # called once, inside the first training forward
         self._warn = warn  # says what limits the measurement, once, without disabling anything
-        self._forward_checked = False  # forward_unseen() has run
+        self._forward_checked = False  # at the first optimizer step: was the training forward seen?
 
     @property
     def active(self) -> bool:
@@ -100,19 +101,20 @@ class TorchHooks:
 
         self.is_ddp = isinstance(uncompiled(model), torch.nn.parallel.DistributedDataParallel)
         self.watch_backward(model)
-        if self.sharded is not None and self.sharded.is_unit(model):
+        if self.sharded is not None and self.sharded.is_unit(model) and not compiled_in_place(model):
             self.sharded.time_root_forward(model, self._forward_entered, self._forward_left)
             return
         self.wrappers.wrap(model)
 
-    def forward_unseen(self) -> None:
-        """A step went by without the watched model's training forward (checked once): the model was compiled
-        after `watch`, and its wrapper steps aside inside the compiled code. Compiled in place, its compiled
-        call is wrapped now (and no FLOPs are counted around compiled code); compiled into a new module,
-        which pytscope cannot see, that is said."""
-        if self._forward_checked or not self.wrappers:
-            return
+    def _check_forward(self) -> None:
+        """At the first optimizer step: a step without the watched model's training forward means the model
+        was compiled after `watch` (its wrapper steps aside inside compiled code). Compiled in place, its
+        compiled call is wrapped now (and no FLOPs are counted around compiled code); compiled into a new
+        module, which pytscope cannot see, that is said once."""
         self._forward_checked = True
+        rec = self.recorder
+        if not self.wrappers or (rec.in_step and rec.completed[2] > rec.micro_batches):
+            return
         if not self.wrappers.follow_compiled():
             self._warn(FORWARD_UNSEEN)
         elif self.flop_estimate is not None:
@@ -193,8 +195,8 @@ class TorchHooks:
             else:
                 self.note_batch(args)
                 rec.loop_top(_FORWARD_BEGIN)
-            if self.flop_estimate is not None:
-                self._count_flops()
+            if self.flop_estimate is not None and self.flop_estimate.begin(rec.steps_done + 1):
+                self.flop_estimate = None  # counted, or given up
             if self.first_forward is not None:
                 probe, self.first_forward = self.first_forward, None
                 probe()
@@ -231,16 +233,15 @@ class TorchHooks:
 
     def forward_begin(self) -> None:
         """Start of a micro-batch's forward, for integrations that see the loop (the wrapper does it itself)."""
-        self.recorder.mark(_FORWARD_BEGIN)
-        if self.flop_estimate is not None:
-            self._count_flops()
+        rec = self.recorder
+        rec.mark(_FORWARD_BEGIN)
+        if self.flop_estimate is not None and self.flop_estimate.begin(rec.steps_done + 1):
+            self.flop_estimate = None
 
-    def _count_flops(self) -> None:
-        """At each training forward while a FLOP count is due or running (`FlopEstimate.begin`)."""
-        estimate = self.flop_estimate
-        assert estimate is not None
-        estimate.begin(self.recorder.steps_done + 1)
-        if estimate.done:
+    def end_flop_count(self) -> None:
+        """What follows is not training (a pause, an epoch's end, the end of the run): a FLOP count running
+        ends here (`FlopEstimate.interrupt`)."""
+        if self.flop_estimate is not None and self.flop_estimate.interrupt(self.recorder.completed[0]):
             self.flop_estimate = None
 
     def forward_done(self, output: Any, grad_sync: bool) -> None:
@@ -266,10 +267,9 @@ class TorchHooks:
     def _optimizer_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self.backward.active:
             try:
-                if self.recorder.in_step:
-                    self.recorder.optimizer_stepped()
-                elif not self._forward_checked:  # no loop top came: the forward opens steps, and went unseen
-                    self.forward_unseen()
+                self.recorder.optimizer_stepped()
+                if not self._forward_checked:
+                    self._check_forward()
             except Exception as exc:
                 self._on_error(exc)
 
@@ -329,6 +329,7 @@ class TorchHooks:
         self._paused = True
         self._update()
         self.recorder.mark(_PAUSE_BEGIN)
+        self.end_flop_count()
 
     def resume(self) -> None:
         self._paused = False
@@ -341,6 +342,7 @@ class TorchHooks:
         self.recorder.mark(_PAUSE_BEGIN)
         self._epoch_paused = True
         self._update()
+        self.end_flop_count()
 
     def _epoch_begins(self) -> None:
         self.recorder.mark(_PAUSE_END)

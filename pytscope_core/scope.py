@@ -62,7 +62,7 @@ class Scope:
         self.flops = StepFlops(options.flops_per_step, options.warmup, precision)
         self.recorder = StepRecorder(clock=clock, step_origin=step_origin)
         self.recorder.on_step_closed = self._after_step
-        self.hooks = TorchHooks(self.recorder, self.fail, self.note_error)
+        self.hooks = TorchHooks(self.recorder, self.fail, self.say)
         self.coordinator = Coordinator(self.recorder, options.interval, options.gather_timeout)
         self.session: RunSession | None = None  # from start() to the end
         self.metrics_sink: Callable[[dict[str, float], int], None] | None = None
@@ -262,8 +262,6 @@ class Scope:
             return
         try:
             if not self._started:
-                if self.recorder.window[-1].micro == 0:
-                    self.hooks.forward_unseen()
                 self.start()
                 self.coordinator.schedule(syncs_seen=self.hooks.is_ddp or self.hooks.sharded is not None)
             elif self.coordinator.due() and self.session is not None:
@@ -276,6 +274,7 @@ class Scope:
 
         Call it on every rank, before the process group is destroyed.
         """
+        self.hooks.end_flop_count()  # (from training code: never inside compiled code)
         return self._end(lambda session: session.finish())
 
     def stop(self, reason: str) -> Any:
@@ -328,7 +327,10 @@ class Scope:
     def note_error(self, message: str, warn: bool = True) -> None:
         self.errors.append(message)
         if warn:
-            print(f"pytscope[rank {self.rank}]: {message}", file=sys.stderr, flush=True)
+            self.say(message)
+
+    def say(self, message: str) -> None:
+        print(f"pytscope[rank {self.rank}]: {message}", file=sys.stderr, flush=True)
 
 
 def _cuda_device_of(model: Any) -> Any:

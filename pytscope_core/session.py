@@ -51,6 +51,7 @@ class RunSession:
         self.gather_ms: list[float] = []  # each gather: resolving the window and the exchange, every rank
         self.traffic: list[tuple[int, int]] = []  # each gather: payload bytes (sent, received) on this rank
         self._epoch_offset = time.time() - time.perf_counter()  # host perf_counter -> seconds since epoch
+        self._errors_written = 0  # rank 0: how many of scope.errors the run's events hold
         if self.rank == 0:
             self._open_run()
         self._watchdog: Any = None
@@ -83,8 +84,7 @@ class RunSession:
         if placement.known:  # every launch: a resumed run may land on other hosts
             self.reporter.learnt(**placement.to_meta())
         self.ingest = BackgroundIngest(self.live, threaded=scope.coordinator.world_size > 1)
-        for message in scope.errors:  # errors before the run existed (e.g. in watch())
-            self.reporter.error(message)
+        self._write_errors()  # those from before the run existed (e.g. in watch())
         if scope.flops.learnt:
             self.reporter.learnt(**scope.flops.take_learnt())
 
@@ -270,14 +270,19 @@ class RunSession:
         self.scope.note_error(f"stopped without a final gather: {reason}", warn=False)
         return self.report()
 
+    def _write_errors(self) -> None:
+        assert self.reporter is not None
+        for message in self.scope.errors[self._errors_written :]:
+            self.reporter.error(message)
+        self._errors_written = len(self.scope.errors)
+
     def report(self) -> Any:
         if self.reporter is None:
             return None
         self._close_ingest()
         if self.scope.flops.learnt:
             self.reporter.learnt(**self.scope.flops.take_learnt())
-        for message in self.scope.errors:
-            self.reporter.error(message)
+        self._write_errors()
         gatherer = self.scope.coordinator.gatherer
         self.reporter.cost(
             gathers=self.scope.coordinator.gathers,

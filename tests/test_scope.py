@@ -228,6 +228,29 @@ def test_flops_are_estimated_on_a_warm_up_step_when_not_given(tmp_path):
     assert summary.efficiency.mfu is not None and summary.efficiency.mfu > 0
 
 
+@pytest.mark.parametrize("ends", ["in an evaluation", "at finish"])
+def test_the_flop_count_ends_with_its_step_when_training_stops_first(tmp_path, ends):
+    # The count runs from step 2's first forward to step 3's. An evaluation after step 2 is not counted (nor
+    # run under the counter); a run that ends after step 2 keeps its count.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.02)
+    scope = Scope(tmp_path, console=False, hang_timeout=None, warmup=3)
+    scope.watch(model, opt)
+    x = torch.randn(16, 8)
+    for step in (1, 2, 3, 4) if ends == "in an evaluation" else (1, 2):
+        torch.nn.functional.mse_loss(model(x), x[:, :1]).backward()
+        opt.step()
+        opt.zero_grad()
+        if step == 2 and ends == "in an evaluation":
+            with scope.paused():
+                model(torch.randn(4096, 8))
+    scope.finish()
+    forward = 2 * 16 * (8 * 32 + 32 * 1)
+    backward = 2 * 16 * (8 * 32) + 2 * 2 * 16 * (32 * 1)  # as in the test above
+    assert load_run(tmp_path).context.flops_per_step == forward + backward
+
+
 def test_no_flops_counted_without_warm_up(tmp_path):
     scope, _, _ = train(tmp_path, epochs=1, peak_flops=1e9, warmup=0)
     assert scope.finish().efficiency.mfu is None  # the counted step would be in the statistics
@@ -411,3 +434,20 @@ def test_a_new_run_into_a_directory_that_holds_a_run_goes_beside_it(tmp_path, ca
     assert "holds an earlier run" in capsys.readouterr().err
     assert load_run(tmp_path / "exp1").arrays.n_steps == 30
     assert load_run(tmp_path / "exp1-2").arrays.n_steps == 20  # (a resume continues in place: above)
+
+
+def test_each_scope_error_is_in_the_run_once(tmp_path):
+    # One from before the run directory existed (written when it opens), one from after (written at the end).
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scope = Scope(tmp_path, console=False, hang_timeout=None, interval=5)
+    scope.watch(model, opt)
+    scope.note_error("before the run", warn=False)
+    for _ in range(3):
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    scope.note_error("after the start", warn=False)
+    scope.finish()
+    assert load_run(tmp_path).context.scope_errors == ("before the run", "after the start")
