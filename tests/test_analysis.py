@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from pytscope_core.analysis import analyze, diagnose
-from pytscope_core.analysis.convergence import loss_trend
+from pytscope_core.analysis.convergence import find_spikes, loss_trend
 from pytscope_core.arrays import RunArrays
 from pytscope_core.context import CountsCheck, ReplicaCheck, RunContext, Segment
 from pytscope_core.findings import Severity
@@ -200,6 +200,18 @@ def test_spikes_found_at_their_steps():
     loss[[200, 401]] = 3.0
     a = analyze(make_run(600, 2, loss=loss), RunContext(world_size=2))
     assert [s.step for s in a.convergence.spikes] == [201, 402]
+
+
+def test_a_spike_early_in_a_fast_fall_is_found_and_the_fall_alone_is_not_one():
+    # The first counted steps have no 50-step history; from the 21st, a spike is judged against all earlier
+    # steps, with the noise taken from their successive differences (the fall itself is not noise).
+    rng = np.random.default_rng(5)
+    t = np.arange(120)
+    loss = (0.3 + 2.0 * np.exp(-t / 10)) * (1 + 0.02 * rng.standard_normal(t.size))
+    assert find_spikes(loss, t) == ()
+    loss[30] *= 2.5
+    assert [s.step for s in find_spikes(loss, t)] == [30]
+    assert find_spikes(loss[:20], t[:20]) == ()  # too little history: nothing is judged
 
 
 def test_desync_from_counts_and_from_grad_syncs():

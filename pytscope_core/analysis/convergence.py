@@ -32,6 +32,11 @@ TREND_MIN_RELATIVE_CHANGE = 0.05
 
 SPIKE_WINDOW = 50
 """Trailing steps that define the local loss level for spike detection."""
+SPIKE_MIN_HISTORY = 20
+"""Steps before the first one that can be a spike. Until SPIKE_WINDOW steps exist, the level is the median of
+the last SPIKE_EARLY_LEVEL steps and the noise comes from the successive differences of all earlier ones
+(`stats.early_level_noise`), so the fast fall of early training is neither a level that lags nor noise."""
+SPIKE_EARLY_LEVEL = 10
 SPIKE_MADS = 6.0
 """A spike sits more than 6 robust sigmas above the local median..."""
 SPIKE_MIN_RELATIVE = 0.25
@@ -108,6 +113,8 @@ def find_spikes(loss: np.ndarray, steps: np.ndarray) -> tuple[Spike, ...]:
     ok = np.isfinite(loss)
     x, st = loss[ok], steps[ok]
     med, mad = stats.trailing_median_mad(x, SPIKE_WINDOW)
+    early = slice(SPIKE_MIN_HISTORY, min(x.size, SPIKE_WINDOW))
+    med[early], mad[early] = stats.early_level_noise(x, SPIKE_MIN_HISTORY, SPIKE_WINDOW, SPIKE_EARLY_LEVEL)
     with np.errstate(invalid="ignore"):
         jump = x - med
         hit = (jump > SPIKE_MADS * stats.MAD_TO_SIGMA * mad) & (jump > SPIKE_MIN_RELATIVE * np.abs(med))

@@ -129,3 +129,15 @@ def trailing_median_mad(x: np.ndarray, window: int) -> tuple[np.ndarray, np.ndar
     med[window:] = m
     mad[window:] = np.median(np.abs(views - m[:, None]), axis=1)
     return med, mad
+
+
+def early_level_noise(x: np.ndarray, start: int, stop: int, recent: int) -> tuple[np.ndarray, np.ndarray]:
+    """For each point i in [start, min(stop, x.size)): the median of the `recent` values before it (a level that
+    keeps up with the fast fall at the start of training), and a robust noise scale from the successive
+    differences of all the values before it (their MAD over sqrt(2): the values' own MAD for independent noise
+    around a level, but not inflated, as that is, by the fall itself)."""
+    idx = range(start, min(stop, x.size))
+    level = np.array([np.median(x[max(0, i - recent) : i]) for i in idx])
+    diffs = [np.diff(x[:i]) for i in idx]
+    noise = np.array([np.median(np.abs(d - np.median(d))) / math.sqrt(2.0) for d in diffs])
+    return level, noise
