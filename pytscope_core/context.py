@@ -41,6 +41,10 @@ class ReplicaCheck:
     checksums: tuple[float, ...]  # per rank; NaN where a rank could not compute one
 
 
+SCOPE_DISABLED = "scope disabled"
+"""In the message of an error after which a rank's scope recorded nothing more (`Scope.fail`)."""
+
+
 @dataclass(frozen=True)
 class RunContext:
     world_size: int
@@ -56,9 +60,14 @@ class RunContext:
     counts_checks: tuple[CountsCheck, ...] = ()
     replica_checks: tuple[ReplicaCheck, ...] = ()
     hang_reports: tuple[dict, ...] = ()  # DIST.HANG reports written by the watchdog (plain JSON)
-    scope_errors: tuple[str, ...] = ()  # internal errors that disabled the scope
+    scope_errors: tuple[str, ...] = ()  # what went wrong in the scope (those with SCOPE_DISABLED: it stopped)
     rank_notes: tuple[tuple[int, str], ...] = ()  # (rank, why it wrote its own rows: "hang", "SIGTERM" ...)
     placement: Placement = field(default_factory=Placement)  # each rank's host and local rank (meta "hosts")
+
+    @property
+    def scope_disabled(self) -> bool:
+        """Some rank's scope disabled itself (an internal error): its records end there."""
+        return any(SCOPE_DISABLED in e for e in self.scope_errors)
 
     @classmethod
     def from_meta(cls, meta: dict[str, Any], **fields: Any) -> RunContext:

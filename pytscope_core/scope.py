@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from .clocks import Clock, CudaEventClock
+from .context import SCOPE_DISABLED
 from .coordinator import Coordinator
 from .findings import Finding
 from .flops import StepFlops
@@ -318,7 +319,7 @@ class Scope:
         self.recorder.stop()
         self.flops.cancel()
         self.hooks.flop_estimate = None
-        message = f"internal error, scope disabled, training continues: {type(exc).__name__}: {exc}"
+        message = f"internal error, {SCOPE_DISABLED}, training continues: {type(exc).__name__}: {exc}"
         if self.session is not None:
             self.session.disabled(message)  # the watchdog stops first, as before anything else can block
         self.note_error(message)

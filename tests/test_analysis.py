@@ -255,6 +255,22 @@ def test_with_two_ranks_a_desync_blames_nobody_the_counts_cannot_single_out():
     assert end.rank == 1 and "fewer optimizer steps" in end.reason
 
 
+@pytest.mark.parametrize(
+    "error, reason",
+    [
+        ("rank 1 did not come to the final gather", "its last steps were never gathered (killed?)"),
+        ("internal error, scope disabled, training continues: ValueError: x", "scope disabled"),
+    ],
+)
+def test_a_rank_that_ends_early_is_called_disabled_only_after_its_scope_was(error, reason):
+    # A note in the scope's errors (a rank missing at the final gather, a late diagnosis) is not a disabled
+    # scope: the rank whose records stop is most likely gone.
+    phases = np.asarray(make_run(50, 2).phases).copy()
+    phases[40:, 1] = np.nan
+    (end,) = analyze(RunArrays.from_arrays(phases), RunContext(world_size=2, scope_errors=(error,))).rank_ends
+    assert (end.rank, end.last_step, end.reason) == (1, 40, reason)
+
+
 def test_replica_drift_names_ranks_and_first_step():
     ctx = RunContext(
         world_size=3,

@@ -89,7 +89,7 @@ def rank_ends(arrays: RunArrays, ctx: RunContext) -> tuple[RankEnd, ...]:
             reason = notes[rank]
         elif ctx.hang_reports:
             reason = "hang"
-        elif ctx.scope_errors:
+        elif ctx.scope_disabled:
             reason = "scope disabled"
         elif _took_fewer_steps(ctx, rank):
             reason = "it took fewer optimizer steps than other ranks (DIST.DESYNC)"
