@@ -131,12 +131,14 @@ def test_ddp_straggler_is_the_only_one_named_and_its_wait_is_not_communication(t
 
 def test_healthy_ddp_fit_has_no_high_or_med_finding(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    # Compute-dominated steps of 10 ms by the wall clock on both ranks, as in test_ddp's healthy run: with a
+    # Compute-dominated steps of 50 ms by the wall clock on both ranks, as in test_ddp's healthy run: with a
     # 512x512 hidden layer instead, the ranks' median local work differed by up to 7.7% between runs on two
-    # shared cores (the straggler gate is 4.5%); with this, by at most 2.5% in 8 runs.
+    # shared cores (the straggler gate is 4.5%). With 10 ms of it, by at most 2.5% in 12 runs, but once by
+    # 15% in CI: Lightning's own per-step work (1-3 ms, on the CPU) took 1.45 ms longer on rank 1 there, a
+    # real straggler made by the shared machine, which the report named. 50 ms keeps that under the gate.
     _run(
         JOB, "--run-dir", run_dir, "--devices", 2, "--strategy", "ddp", "--steps", 150, "--batch", 256,
-        "--work-ms", 10, cwd=tmp_path,
+        "--work-ms", 50, cwd=tmp_path,
     )  # fmt: skip
     summary = _summary(run_dir)
     assert summary["run"]["steps"] == 150 and summary["run"]["world_size"] == 2
