@@ -39,10 +39,8 @@ def is_compiled(model: Any) -> bool:
     for m in modules() if modules is not None else [model]:
         if isinstance(m, eval_frame.OptimizedModule) or compiled_in_place(m):
             return True
-        forward = getattr(m, "__dict__", {}).get(
-            "forward"
-        )  # Lightning's: `module.forward = torch.compile(module.forward)`
-        if hasattr(forward, "_torchdynamo_orig_callable"):
+        # Lightning's compiled module: `module.forward = torch.compile(module.forward)`
+        if hasattr(getattr(m, "__dict__", {}).get("forward"), "_torchdynamo_orig_callable"):
             return True
     return False
 

@@ -69,9 +69,8 @@ class FSDPCommTimer:
         import torch
 
         self._grad_enabled = torch.is_grad_enabled
-        self._compiling = (
-            is_compiling_function()
-        )  # a unit compiled in place runs these hooks in its compiled call
+        # A unit compiled in place runs these hooks inside its compiled call: there they step aside.
+        self._compiling = is_compiling_function()
         self.recorder = recorder
         self._recording = recording  # the scope records training time now (active, not paused)
         self._in_backward = in_backward  # a forward inside backward: activation recomputation

@@ -109,16 +109,14 @@ class TorchHooks:
     def _check_forward(self) -> None:
         """At the first optimizer step: a step without the watched model's training forward means the model
         was compiled after `watch` (its wrapper steps aside inside compiled code). Compiled in place, its
-        compiled call is wrapped now (and no FLOPs are counted around compiled code); compiled into a new
-        module, which pytscope cannot see, that is said once."""
+        compiled call is wrapped now (no FLOPs are counted once anything is compiled: `FlopEstimate.begin`);
+        compiled into a new module, which pytscope cannot see, that is said once."""
         self._forward_checked = True
         rec = self.recorder
         if not self.wrappers or (rec.in_step and rec.completed[2] > rec.micro_batches):
             return
         if not self.wrappers.follow_compiled():
             self._warn(FORWARD_UNSEEN)
-        elif self.flop_estimate is not None:
-            self.flop_estimate.cancel()
 
     def watch_backward(self, model: Any) -> None:
         """Time backward (and exposed communication) from `model`'s parameters; under FSDP2, also the

@@ -137,7 +137,7 @@ def early_level_noise(x: np.ndarray, start: int, stop: int, recent: int) -> tupl
     differences of all the values before it (their MAD over sqrt(2): the values' own MAD for independent noise
     around a level, but not inflated, as that is, by the fall itself)."""
     idx = range(start, min(stop, x.size))
+    d = np.diff(x[: idx.stop])  # d[: i - 1]: the differences among the values before point i
     level = np.array([np.median(x[max(0, i - recent) : i]) for i in idx])
-    diffs = [np.diff(x[:i]) for i in idx]
-    noise = np.array([np.median(np.abs(d - np.median(d))) / math.sqrt(2.0) for d in diffs])
+    noise = np.array([np.median(np.abs(d[: i - 1] - np.median(d[: i - 1]))) for i in idx]) / math.sqrt(2.0)
     return level, noise
