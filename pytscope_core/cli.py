@@ -35,6 +35,13 @@ def _severity(text: str) -> Any:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _why(exc: OSError) -> str:
+    """An output path's error in a few words (making its folders, a file in the way is 'File exists')."""
+    if isinstance(exc, FileExistsError | NotADirectoryError):
+        return "a file is in the way where a folder is needed"
+    return str(exc.strerror or exc)
+
+
 def _console() -> Any:
     from rich.console import Console
 
@@ -65,7 +72,13 @@ def cmd_report(args: argparse.Namespace) -> int:
         if getattr(args, "plots", None):
             from .plots import write_report_plots
 
-            for path in write_report_plots(run, args.plots):
+            try:
+                written = write_report_plots(run, args.plots)
+            except OSError as exc:
+                raise UsageError(
+                    f"pytscope report: cannot write plots into {args.plots}: {_why(exc)}"
+                ) from None
+            for path in written:
                 console.print(f"wrote {path}")
     if args.fail_on is not None and any(f.severity >= args.fail_on for f in summary.findings):
         return EXIT_FINDINGS
@@ -77,6 +90,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     if args.ranks < 1:
         raise UsageError("pytscope demo: --ranks must be at least 1")
+    if args.steps < 1:
+        raise UsageError("pytscope demo: --steps must be at least 1")
     console = _console()
     console.print(
         f"[bold]pytscope demo[/]: {args.ranks} CPU processes (gloo, DDP), scenario [bold]{args.scenario}[/]"
@@ -146,7 +161,7 @@ def cmd_scaling(args: argparse.Namespace) -> int:
         try:
             path = write_scaling_plot(result, args.plot)
         except OSError as exc:
-            raise UsageError(f"pytscope scaling: cannot write {args.plot}: {exc.strerror or exc}") from None
+            raise UsageError(f"pytscope scaling: cannot write {args.plot}: {_why(exc)}") from None
         print(f"wrote {path}", file=sys.stderr if args.json else sys.stdout)
     return EXIT_OK
 
@@ -158,11 +173,13 @@ def cmd_trace(args: argparse.Namespace) -> int:
     if args.max_steps < 1:
         raise UsageError("pytscope trace: --max-steps must be at least 1")
     run = _load(args.run_dir)
+    if run.arrays.n_steps == 0:
+        raise UsageError(f"pytscope trace: {args.run_dir} holds no step records yet (nothing to trace)")
     summary = summarize(run.arrays, run.context, extra_findings=tuple(run.extra_findings))
     try:
         info = write_chrome_trace(run.arrays, args.output, summary.findings, args.max_steps, str(run.path))
     except OSError as exc:
-        raise UsageError(f"pytscope trace: cannot write {args.output}: {exc.strerror or exc}") from None
+        raise UsageError(f"pytscope trace: cannot write {args.output}: {_why(exc)}") from None
     kept = (
         f"all {info.steps_total} steps"
         if info.steps_written == info.steps_total

@@ -63,6 +63,9 @@ class RunContext:
     scope_errors: tuple[str, ...] = ()  # what went wrong in the scope (those with SCOPE_DISABLED: it stopped)
     rank_notes: tuple[tuple[int, str], ...] = ()  # (rank, why it wrote its own rows: "hang", "SIGTERM" ...)
     placement: Placement = field(default_factory=Placement)  # each rank's host and local rank (meta "hosts")
+    # (step, ranks) of the run's first NaN/Inf loss when it may lie before the steps analysed (the live
+    # diagnosis's window of recent steps); None: judged from the steps themselves
+    first_nonfinite: tuple[int, tuple[int, ...]] | None = None
 
     @property
     def scope_disabled(self) -> bool:

@@ -20,6 +20,7 @@ import numpy as np
 from .gather import Exchange
 from .placement import Placement, local_place
 from .recorder import StepRecorder
+from .rundir import next_segment
 
 STORE_PREFIX = "pytscope"
 FINISH_WAIT_S = 30.0  # how long finish() waits for every rank to arrive before reporting without them
@@ -48,9 +49,9 @@ class Coordinator:
         self._next_gather = interval
 
     # -- start ----------------------------------------------------------------------------------------
-    def start(self, run_dir: Path | None, resumed: bool = False) -> Path:
+    def start(self, run_dir: Path | None, segment: int = 0) -> tuple[Path, int]:
         """Learn rank and world size, create the scope's group (collective), agree on rank 0's run directory
-        (returned; `run_directory_for`) and tell rank 0 where every rank runs."""
+        and segment (returned; `place_run`) and tell rank 0 where every rank runs."""
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized():
@@ -60,14 +61,14 @@ class Coordinator:
             from .gather import Gatherer
 
             self.gatherer = Gatherer(self.gather_timeout, capacity=self.interval)
-            chosen = str(run_directory_for(run_dir, resumed)) if self.rank == 0 else None
-            path = Path(self.gatherer.broadcast_object(chosen))
+            chosen = place_run(run_dir, segment) if self.rank == 0 else None
+            path, segment = self.gatherer.broadcast_object(chosen)
             places = self.gatherer.gather_places(*local_place())
             if places is not None:
                 self.placement = Placement.of(places)
-            return path
+            return path, segment
         self.placement = Placement.of([local_place()])
-        return run_directory_for(run_dir, resumed)
+        return place_run(run_dir, segment)
 
     @property
     def distributed(self) -> bool:
@@ -195,6 +196,14 @@ def default_store() -> Any:
     except (ImportError, RuntimeError, AttributeError):
         return None
     return None
+
+
+def place_run(run_dir: Path | None, segment: int) -> tuple[Path, int]:
+    """The run directory (`run_directory_for`) and segment of a launch. A resume (`segment` > 0: one past the
+    checkpoint's) that finds later segments in the run (a second resume from the same checkpoint, after the
+    first was lost too) takes the next one after them, so no two launches share a segment."""
+    path = run_directory_for(run_dir, resumed=segment > 0)
+    return path, max(segment, next_segment(path)) if segment > 0 else 0
 
 
 def run_directory_for(run_dir: Path | None, resumed: bool) -> Path:

@@ -247,6 +247,9 @@ class TorchHooks:
         timed through a hook on `output` instead."""
         if self.recorder.in_step:
             self.recorder.forward_ended(self._batch_samples)
+            # A batch's samples count once, however many forwards it feeds (two models, a GAN's two
+            # passes): 0 for the next forwards of the same batch (NaN, a size not known, stays NaN).
+            self._batch_samples *= 0.0
             self.backward.forward_done(output, grad_sync)
 
     # -- optimizer ------------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ import numpy as np
 from .arrays import RunArrays
 from .context import CountsCheck, ReplicaCheck, RunContext, Segment
 from .findings import Finding, Severity
+from .records import COL
 from .reporter import RunReporter
 
 if TYPE_CHECKING:
@@ -54,7 +55,7 @@ class LiveDiagnosis:
     ) -> None:
         self.reporter = reporter
         self.segment = segment
-        self.warmup = 0 if segment.index else warmup  # a resumed segment is warm already
+        self.warmup = warmup  # the first steps of every segment, launch or resume, as in the final report
         self.errors = errors  # the scope's internal errors, shared
         self.metrics_sink = metrics_sink
         self.findings: list[Finding] = []  # the latest diagnosis, with the integration's findings
@@ -66,11 +67,14 @@ class LiveDiagnosis:
         self._recent: collections.deque[np.ndarray] = collections.deque()
         self._world = 1
         self._recent_steps = 0
+        # (step, ranks) of the first non-finite loss: kept once the window of recent steps has moved on
+        self._first_nonfinite: tuple[int, tuple[int, ...]] | None = None
+        self._urgent = False  # a diagnosis is due now, whatever its budget says (the first non-finite loss)
         self._reported: dict[tuple[str, tuple[int, ...]], Severity] = {}
         self._cost_s = 0.0
         self._at = clock()
         self._lock = threading.RLock()
-        self._metrics: collections.deque[tuple[dict[str, float], int]] = collections.deque(maxlen=16)
+        self._metrics: dict[str, float] | None = None  # the latest diagnosis's, until published
         self.diagnoses = 0
 
     def ingest(self, headers: np.ndarray, rows: np.ndarray, gather: int, step: int, final: bool) -> None:
@@ -101,15 +105,20 @@ class LiveDiagnosis:
             self.reporter.rows(rows)
             self._check_counts(headers, gather)
             self._check_replicas(headers, step)
+            if self._first_nonfinite is None:
+                self._first_nonfinite = first_nonfinite_row(rows)
+                self._urgent = self._first_nonfinite is not None
             if not final:
                 self._remember(rows, world=max(1, headers.shape[0]))
 
     def diagnose_if_due(self, step: int) -> None:
-        """Diagnose unless the last diagnosis's cost says it is too soon (LIVE_BUDGET)."""
+        """Diagnose unless the last diagnosis's cost says it is too soon (LIVE_BUDGET); a first non-finite
+        loss is said at once."""
         now = self._clock()
-        if self._cost_s > LIVE_BUDGET * (now - self._at):
+        if self._cost_s > LIVE_BUDGET * (now - self._at) and not self._urgent:
             return
         self._at = now
+        self._urgent = False
         try:
             self.diagnose(step)
         finally:
@@ -128,11 +137,13 @@ class LiveDiagnosis:
             self.hang_reports.append(finding.to_dict())
             self.reporter.hang(finding, step)
 
-    def publish_metrics(self) -> None:
-        """Hand the metrics of the diagnoses made since the last call to the sink; call on the training
-        thread (Lightning's loggers read the trainer's state)."""
-        while self._metrics and self.metrics_sink is not None:
-            values, step = self._metrics.popleft()
+    def publish_metrics(self, step: int) -> None:
+        """Hand the latest diagnosis's metrics, if not handed yet, to the sink at training step `step` (the
+        step it is published at, not the one it diagnosed: trackers such as wandb drop a step that goes
+        back). Call on the training thread (Lightning's loggers read the trainer's state)."""
+        with self._lock:
+            values, self._metrics = self._metrics, None
+        if values is not None and self.metrics_sink is not None:
             self.metrics_sink(values, step)
 
     def context(self) -> RunContext:
@@ -145,6 +156,7 @@ class LiveDiagnosis:
                 replica_checks=tuple(self.replica_checks),
                 hang_reports=tuple(self.hang_reports),
                 scope_errors=tuple(self.errors),
+                first_nonfinite=self._first_nonfinite,
             )
 
     def diagnose(self, step: int) -> None:
@@ -169,7 +181,9 @@ class LiveDiagnosis:
             if fresh:
                 self.reporter.findings(fresh, step)
         if self.metrics_sink is not None:
-            self._metrics.append((metrics(analysis, self.findings), int(arrays.steps[-1])))
+            values = metrics(analysis, self.findings)
+            with self._lock:
+                self._metrics = values
 
     # -- helpers ------------------------------------------------------------------------------------------
     def _check_counts(self, headers: np.ndarray, gather: int) -> None:
@@ -199,6 +213,16 @@ class LiveDiagnosis:
         self._recent_steps += rows.shape[0] // world
         while len(self._recent) > 1 and self._recent_steps - self._recent[0].shape[0] // world >= limit:
             self._recent_steps -= self._recent.popleft().shape[0] // world
+
+
+def first_nonfinite_row(rows: np.ndarray) -> tuple[int, tuple[int, ...]] | None:
+    """(step, ranks) of the first step in `rows` whose recorded loss is non-finite (+inf), or None."""
+    bad = np.isinf(rows[:, COL["loss"]])
+    if not bad.any():
+        return None
+    steps = rows[bad, COL["step"]]
+    first = steps.min()
+    return int(first), tuple(sorted({int(r) for r in rows[bad, COL["rank"]][steps == first]}))
 
 
 def _rank_after_rank(window: list[np.ndarray], world: int) -> np.ndarray:

@@ -89,6 +89,7 @@ class StepRecorder:
         self._step_syncs = 0
         self._step_micro = 0
         self._label: int | None = None
+        self.last_label: int | None = None  # the last closed step's label
         self._fingerprint: Any = None
 
     # -- hot path -------------------------------------------------------------------------------------
@@ -188,6 +189,15 @@ class StepRecorder:
         """The number the framework shows for the `steps_done`-th optimizer step (1-based count)."""
         return steps_done - 1 + self.step_origin
 
+    def current_label(self, open_step: bool = False) -> int:
+        """The label of the last closed step (or of the open one): the framework's own number where it gave
+        one (`label_step`), as in the step's record."""
+        if open_step and self.in_step and self._label is not None:
+            return self._label
+        if not open_step and self.last_label is not None:
+            return self.last_label
+        return self.step_label(max(self.steps_done + (1 if open_step else 0), 1))
+
     def progress(self) -> tuple[tuple[int, int, int], int | None]:
         """For another thread: a signature that changes with every mark, and the latest mark (or None).
         Reads only; safe while the training thread appends."""
@@ -217,6 +227,7 @@ class StepRecorder:
         self.steps_done = int(counters.get("step", 0))
         self.grad_syncs = int(counters.get("grad_syncs", 0))
         self.micro_batches = int(counters.get("micro_batches", 0))
+        self.last_label = None
         self.window.clear()
 
     def _close_step(self) -> None:
@@ -231,6 +242,7 @@ class StepRecorder:
         # A SIGTERM handler may read `pending_rows` between any two lines: the step is in the window or the
         # open stepped step, one statement apart, and the counters move after it.
         self.window.append(closed)
+        self.last_label = closed[0]
         self._stepped = False
         self.in_step = False
         self.steps_done = done
@@ -325,7 +337,7 @@ def step_losses(logged: list[list[Any]]) -> list[float]:
     """Each step's loss for the records: NaN when none was logged, +inf when any logged value was NaN or
     infinite (so a logged NaN differs from "not logged"), else the last one logged."""
     flat = [loss for losses in logged for loss in losses]
-    values = iter(_losses_to_floats(flat))
+    values = iter(to_floats(flat))
     out = []
     for losses in logged:
         vals = [next(values) for _ in losses]
@@ -338,26 +350,41 @@ def step_losses(logged: list[list[Any]]) -> list[float]:
     return out
 
 
-def _losses_to_floats(losses: list[Any]) -> list[float]:
-    """Loss tensors stay on their device until here, so the hot path never forces a device sync."""
-    out = [math.nan] * len(losses)
+def to_floats(values: list[Any]) -> list[float]:
+    """Logged values as floats: Python and numpy numbers, and tensors (the mean of a tensor of several
+    elements); NaN for None or anything that is not a number. Tensors stay on their device until here, so
+    the hot path never forces a device sync, and all of them are read in one copy: at most one sync."""
+    out = [math.nan] * len(values)
+    tensor_type = getattr(sys.modules.get("torch"), "Tensor", None)  # only if torch was imported already
     tensors = []
     where = []
-    for i, loss in enumerate(losses):
-        if loss is None:
+    for i, value in enumerate(values):
+        if value is None:
             continue
-        if isinstance(loss, (int, float)):
-            out[i] = float(loss)
-        else:
-            tensors.append(loss)
+        if tensor_type is not None and isinstance(value, tensor_type):
+            tensors.append(value)
             where.append(i)
+            continue
+        try:
+            out[i] = float(np.mean(value)) if isinstance(value, np.ndarray) else float(value)
+        except (TypeError, ValueError):
+            pass
     if tensors:
         import torch
 
         if all(t.device.type == "cpu" and t.numel() == 1 for t in tensors):
-            values = [t.item() for t in tensors]
-        else:  # one stack and one copy for the window: at most one device sync per gather
-            values = torch.stack([t.detach().float().mean() for t in tensors]).cpu().tolist()
-        for i, v in zip(where, values, strict=True):
-            out[i] = v
+            read = [t.item() for t in tensors]
+        else:  # one stack and one copy for the window
+            read = torch.stack([t.detach().float().mean() for t in tensors]).cpu().tolist()
+        for i, v in zip(where, read, strict=True):
+            out[i] = float(v)
     return out
+
+
+def scalar_lines(lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Logged scalar lines ({"step": ..., name: value}) with every value a plain float (tensors read in one
+    copy), text kept as it is, anything else NaN; changed in place."""
+    keys = [(line, k) for line in lines for k, v in line.items() if k != "step" and not isinstance(v, str)]
+    for (line, k), number in zip(keys, to_floats([line[k] for line, k in keys]), strict=True):
+        line[k] = number
+    return lines

@@ -15,6 +15,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from .analysis.convergence import TREND_MIN_STEPS
 from .analysis.timing import few_steps_note
 from .findings import Finding, Severity
 from .summary import Summary
@@ -124,13 +125,16 @@ def render_convergence(summary: Summary) -> RenderableType:
         + (
             f" ({100 * c.trend.relative_change:+.1f}%, t = {c.trend.t:.1f})"
             if math.isfinite(c.trend.t)
+            else f" ({c.trend.finite_steps} finite losses past warm-up; a trend needs {TREND_MIN_STEPS})"
+            if c.trend.trend == "unknown"
             else ""
         ),
-        f"loss: first {_num(c.first_loss, '.4g')}, last {_num(c.last_loss, '.4g')}",
+        f"loss: first {_num(c.first_loss, '.4g')}, last {'finite ' if c.nonfinite_step is not None else ''}"
+        f"{_num(c.last_loss, '.4g')}",
     ]
     spark = sparkline(c.sparkline_values)
     if spark:
-        lines.append(f"loss  {spark}")
+        lines.append(f"loss  {spark}" + ("  (finite values only)" if c.nonfinite_step is not None else ""))
     if c.spikes:
         steps = ", ".join(str(s.step) for s in c.spikes[:10]) + (" ..." if len(c.spikes) > 10 else "")
         lines.append(f"spikes: {len(c.spikes)} at step(s) {steps}")

@@ -213,6 +213,13 @@ def read_events(path: Path) -> tuple[list[dict[str, Any]], int]:
     return events, bad
 
 
+def next_segment(path: Path) -> int:
+    """One past the highest segment the run directory's events name; 0 for none."""
+    events, _ = read_events(path)
+    indices = [e["index"] for e in events if e.get("type") == "segment" and isinstance(e.get("index"), int)]
+    return max(indices, default=-1) + 1
+
+
 def load_run(path: str | os.PathLike[str], warmup: int | None = None) -> Run:
     root = Path(path)
     if not root.exists():
@@ -236,6 +243,8 @@ def load_run(path: str | os.PathLike[str], warmup: int | None = None) -> Run:
     if not (isinstance(columns, list) and all(isinstance(c, str) for c in columns) and "step" in columns):
         columns = None
     rows = _read_or_note(lambda: read_rows(root, columns), "steps.f64", problems, np.empty((0, NCOLS)))
+    if not (root / "steps.f64").exists():
+        problems.append("steps.f64 is missing: no gathered step records (only the ranks' own files, if any)")
     no_rank_files: tuple[np.ndarray, dict[int, str]] = (np.empty((0, NCOLS)), {})
     own_rows, rank_reasons = _read_or_note(
         lambda: read_rank_files(root, columns, rows), "ranks/", problems, no_rank_files

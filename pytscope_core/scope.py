@@ -33,7 +33,7 @@ from .flops import StepFlops
 from .hooks import TorchHooks
 from .options import ScopeOptions
 from .parallelism import UNWATCHED, current_rank, current_world_size, detect
-from .recorder import StepRecorder
+from .recorder import StepRecorder, scalar_lines
 from .session import RunSession
 
 
@@ -195,11 +195,19 @@ class Scope:
             detach = getattr(loss, "detach", None)  # a tensor: its graph must not be kept until the gather
             self.recorder.set_loss(loss if detach is None else detach())
         if scalars and self.rank == 0:
-            self._scalars.append({"step": self.step_label(open_step=True), **scalars})
+            step = self.step_label(open_step=True)
+            values = {k: v.detach() if hasattr(v, "detach") else v for k, v in scalars.items()}
+            if (
+                self._scalars and self._scalars[-1]["step"] == step
+            ):  # one line per step; the latest value wins
+                self._scalars[-1].update(values)
+            else:
+                self._scalars.append({"step": step, **values})
 
     def take_scalars(self) -> list[dict[str, Any]]:
-        scalars, self._scalars = self._scalars, []
-        return scalars
+        """The extra scalars logged since the last call, one dict per step (`scalar_lines`)."""
+        lines, self._scalars = self._scalars, []
+        return scalar_lines(lines)
 
     def set_metrics_sink(self, sink: Callable[[dict[str, float], int], None]) -> None:
         """Where each live diagnosis's metrics go (Lightning's loggers, `accelerator.log`); rank 0 only."""
@@ -223,8 +231,7 @@ class Scope:
 
     def step_label(self, open_step: bool = False) -> int:
         """The framework's number of the last closed step (or of the open one)."""
-        done = self.recorder.steps_done + (1 if open_step else 0)
-        return self.recorder.step_label(max(done, 1))
+        return self.recorder.current_label(open_step)
 
     # -- checkpoints ----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -41,9 +41,8 @@ class RunSession:
 
     def __init__(self, scope: Scope) -> None:
         self.scope = scope
-        self.run_dir: Path = scope.coordinator.start(
-            scope.run_dir, resumed=scope.segment > 0
-        )  # learns the rank
+        self.run_dir: Path
+        self.run_dir, scope.segment = scope.coordinator.start(scope.run_dir, scope.segment)  # learns the rank
         self.rank = scope.coordinator.rank
         self.reporter: Any = None
         self.live: Any = None
@@ -55,7 +54,8 @@ class RunSession:
         if self.rank == 0:
             self._open_run()
         self._watchdog: Any = None
-        self._flushed = threading.Event()  # this rank's own rows are written at most once
+        self._flushed = False  # this rank's own rows are written at most once...
+        self._flushing = threading.Lock()  # ...by one caller at a time (a signal may arrive during a flush)
         self._sigterm = SigtermChain(self._on_sigterm)
         self._sigterm.install()
         if scope.options.hang_timeout is not None:
@@ -189,17 +189,23 @@ class RunSession:
     def flush_own_rows(self, reason: str) -> None:
         """This rank's closed steps that no gather took yet, into its own file in the run directory, so the
         report covers every rank up to a hang, a SIGTERM or an exception. Reads the recorder without changing
-        it (the caller may be another thread, or a signal handler)."""
+        it (the caller may be another thread, or a signal handler). A flush that an exception cut short (e.g.
+        a second SIGTERM whose handler raised in the middle of it) is done again by the next caller."""
         scope = self.scope
-        if self._flushed.is_set() or isinstance(scope.recorder.clock, CudaEventClock):
+        if self._flushed or isinstance(scope.recorder.clock, CudaEventClock):
             return  # once (a hang, then the launcher's SIGTERM); CUDA events behind a hung kernel never resolve
-        self._flushed.set()
-        from .rundir import append_rank_rows
+        if not self._flushing.acquire(blocking=False):
+            return  # a flush is under way: this call interrupted it (a signal) or raced it (the watchdog)
+        try:
+            from .rundir import append_rank_rows
 
-        rec = scope.recorder
-        rows = rec.pending_rows(self.rank, scope.segment, self._epoch_offset)
-        last = rec.step_label(rec.steps_done) if rec.steps_done else None
-        append_rank_rows(self.run_dir, self.rank, rows, reason, at_step=last)
+            rec = scope.recorder
+            rows = rec.pending_rows(self.rank, scope.segment, self._epoch_offset)
+            last = rec.current_label() if rec.steps_done else None
+            append_rank_rows(self.run_dir, self.rank, rows, reason, at_step=last)
+            self._flushed = True
+        finally:
+            self._flushing.release()
 
     # -- gathers --------------------------------------------------------------------------------------
     def gather(self, final: bool = False) -> None:
@@ -222,11 +228,13 @@ class RunSession:
         if self.live is not None and ex is not None:
             from .ingest import Gathered
 
-            self.live.publish_metrics()  # of diagnoses since the last gather, on this (the training) thread
             # What rank 0 learnt since the last gather (e.g. FLOPs counted in warm-up) goes with the rows.
             learnt = scope.flops.take_learnt() if scope.flops.learnt else None
             gathers, step, scalars = scope.coordinator.gathers, scope.step_label(), scope.take_scalars()
             self.ingest.submit(Gathered(ex.headers, ex.rows, gathers, step, final, scalars, learnt))
+            # The latest diagnosis's metrics, on this (the training) thread: this gather's when it was
+            # diagnosed in place (one process), else an earlier one's, done on the ingest thread since.
+            self.live.publish_metrics(step)
 
     def _checksum(self) -> float:
         """A cheap fingerprint of the replicated parameters; DDP replicas must agree bit for bit."""
@@ -305,7 +313,7 @@ class RunSession:
         except RuntimeError as exc:
             self.scope.note_error(str(exc))
         with contextlib.suppress(Exception):  # a logger failing at the end must not cost the summary
-            self.live.publish_metrics()
+            self.live.publish_metrics(self.scope.step_label())
 
     def release(self) -> None:
         self.stop_watching()

@@ -40,7 +40,8 @@ def uneven_shards_finding(batches_per_rank: list[int]) -> Finding | None:
         title="Ranks will see different numbers of batches per epoch",
         detail=(
             f"Batches per epoch: {'; '.join(groups)}. "
-            f"Rank{'s' if len(short) > 1 else ''} {_ranks(short)} run out up to {most - fewest} batch"
+            f"Rank{'s' if len(short) > 1 else ''} {_ranks(short)} run{'' if len(short) > 1 else 's'} out up to "
+            f"{most - fewest} batch"
             f"{'es' if most - fewest > 1 else ''} early; the other ranks then wait in a gradient all-reduce "
             "that never comes (a hang at the end of the epoch) or the ranks' epochs end on different steps."
         ),

@@ -77,9 +77,13 @@ class ScopeCallback(Callback):
         return self.scope.state_dict() if self.scope is not None else {}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._restored = dict(state_dict)
-        if self.scope is not None and self._restored:
-            self.scope.load_state_dict(self._restored)
+        # Lightning restores callbacks after setup() (fit(ckpt_path=...)): the scope continues that run now.
+        # A state restored before any setup waits for it. Either way it is used once: a later fit of the same
+        # trainer continues from where this one ends, not from the checkpoint again.
+        if self.scope is not None and not self.scope.finished and state_dict:
+            self.scope.load_state_dict(dict(state_dict))
+        else:
+            self._restored = dict(state_dict)
 
     # -- fit start and end --------------------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -95,8 +99,9 @@ class ScopeCallback(Callback):
         self.scope = Scope(
             options=options, integration="lightning", step_origin=0, precision=_precision(trainer)
         )
-        if self._restored:
-            self.scope.load_state_dict(self._restored)
+        restored, self._restored = self._restored, None
+        if restored:
+            self.scope.load_state_dict(restored)
         elif previous is not None and options.run_dir == self.options.run_dir:
             self.scope.load_state_dict({**previous, "run_dir": previous["run_dir"]})
 
@@ -105,12 +110,13 @@ class ScopeCallback(Callback):
         self._watch(scope, trainer, pl_module)  # first: it picks the clock, which the run's metadata records
         scope.start()  # collective: every rank is here, after the strategy set up the process group
         self._fetch_timed = _time_fetches(scope, trainer)
+        _pause_for_checkpoints(scope, trainer)
         self._check_shards(scope, trainer)
 
     @_guarded
     def on_train_end(self, scope: Scope, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Here, not in on_fit_end: the final gather is collective and must run before DDP's teardown.
-        _untime_fetches(trainer)
+        _unhook_trainer(trainer)
         scope.finish()
 
     def on_exception(
@@ -118,12 +124,12 @@ class ScopeCallback(Callback):
     ) -> None:
         # The other ranks may be gone: end without meeting them, and never leave a watchdog behind.
         if self.scope is not None:
-            _untime_fetches(trainer)
+            _unhook_trainer(trainer)
             self.scope.stop(f"the fit raised {type(exception).__name__}")
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit" and self.scope is not None and not self.scope.finished:
-            _untime_fetches(trainer)
+            _unhook_trainer(trainer)
             self.scope.stop("the fit ended before its training did")
 
     # -- one step -----------------------------------------------------------------------------------------
@@ -170,16 +176,8 @@ class ScopeCallback(Callback):
     def on_validation_start(self, scope: Scope, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         scope.pause()
 
-    @_guarded
-    def on_validation_end(self, scope: Scope, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        scope.resume()
-
-    @_guarded
-    def on_save_checkpoint(
-        self, scope: Scope, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
-    ) -> None:
-        # Lightning has no hook after the file is written; the pause ends at the next batch instead.
-        scope.pause()
+    # Validation ends at the next training batch (on_train_batch_start), not in on_validation_end: the
+    # module's own on_validation_end and the loop's teardown run after the callbacks' hook.
 
     @_guarded
     def on_train_epoch_end(self, scope: Scope, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -268,10 +266,29 @@ def _time_fetches(scope: Scope, trainer: pl.Trainer) -> bool:
     return True
 
 
-def _untime_fetches(trainer: pl.Trainer) -> None:
-    # The loop hands these to each epoch's fetcher: with the instance's own gone, the next fit profiles as usual.
+def _pause_for_checkpoints(scope: Scope, trainer: pl.Trainer) -> None:
+    """Pause from the start of every `trainer.save_checkpoint` (ModelCheckpoint's and the user's; this
+    trainer only; undone at train end) to the next batch. Lightning's `on_save_checkpoint` comes too late:
+    the model's and optimizers' state (an FSDP full state dict) is gathered before it."""
+    save = trainer.save_checkpoint
+
+    @functools.wraps(save)
+    def save_checkpoint(*args: Any, **kwargs: Any) -> Any:
+        try:
+            scope.pause()
+        except Exception as exc:
+            scope.fail(exc)
+        return save(*args, **kwargs)
+
+    trainer.save_checkpoint = save_checkpoint  # type: ignore[method-assign]
+
+
+def _unhook_trainer(trainer: pl.Trainer) -> None:
+    # The loop hands these to each epoch's fetcher: with the instance's own gone, the next fit profiles as
+    # usual; the trainer's own save_checkpoint is back.
     for name in ("_on_before_fetch", "_on_after_fetch"):
         trainer.fit_loop.epoch_loop.__dict__.pop(name, None)
+    trainer.__dict__.pop("save_checkpoint", None)
 
 
 def _loss_of(outputs: Any, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Any:
@@ -286,5 +303,8 @@ def _loss_of(outputs: Any, trainer: pl.Trainer, pl_module: pl.LightningModule) -
 
 
 def _log_metrics(trainer: pl.Trainer, metrics: dict[str, float], step: int) -> None:
+    # The step Lightning's own loggers and monitors log at: batches that stepped, once per batch whatever
+    # the number of optimizers (`global_step` counts each optimizer's steps under manual optimization).
+    at = trainer.fit_loop.epoch_loop._batches_that_stepped
     for logger in trainer.loggers:
-        logger.log_metrics(metrics, step=trainer.global_step)
+        logger.log_metrics(metrics, step=at)

@@ -330,6 +330,31 @@ def test_goodput_across_two_segments_with_replayed_rows():
     assert d["run"]["restarts"] == 1 and d["run"]["goodput"]["downtime_s"] == pytest.approx(10.0)
 
 
+def test_a_rank_left_out_of_a_smaller_resumed_job_is_not_called_killed():
+    first = _rows(0, range(1, 51), 1000.0)
+    second = _rows(1, range(61, 101), 1010.0, ranks=1)  # resumed from step 60 on one rank
+    ctx = RunContext(world_size=2, segments=(Segment(0, 1000.0, 0, 2), Segment(1, 1010.0, 60, 1)))
+    ends = summarize(RunArrays.from_rows(np.vstack([first, second]), warmup=0), ctx).to_dict()["run"][
+        "rank_ends"
+    ]
+    assert ends == [{"rank": 1, "last_step": 50, "reason": "the job resumed from step 60 with 1 rank(s)"}]
+
+
+def test_a_pause_on_rank_0_and_the_wait_for_it_count_once_in_goodput():
+    # Rank 0 evaluates for 1 s inside `paused()` after step 10; rank 1 waits for it in step 11's all-reduce.
+    rows = _rows(0, range(1, 101), 1000.0)
+    late = rows[:, COL["step"]] > 10
+    rows[late, COL["start_s"]] += 1.0
+    rows[(rows[:, COL["step"]] == 10) & (rows[:, COL["rank"]] == 0), COL["excluded_ms"]] = 1000.0
+    waited = (rows[:, COL["step"]] == 11) & (rows[:, COL["rank"]] == 1)
+    rows[waited, COL["comm_ms"]] += 1000.0
+    rows[waited, COL["wall_ms"]] += 1000.0
+    g = summarize(RunArrays.from_rows(rows, warmup=0), RunContext(world_size=2)).efficiency.goodput
+    assert g.excluded_s == pytest.approx(1.0, abs=1e-6)
+    assert g.elapsed_s == pytest.approx(2.0, abs=1e-6)  # 100 steps of 10 ms and the pause, as the clock says
+    assert g.goodput == pytest.approx(0.5, abs=1e-6)
+
+
 @pytest.mark.parametrize("steps,ranks", [(0, 2), (1, 2), (1, 1), (50, 1)])
 def test_tiny_runs_summarize(steps, ranks):
     ph = np.ones((steps, ranks, 6))

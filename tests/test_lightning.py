@@ -7,6 +7,7 @@ wrote, through the same loader and summary as `pytscope report`.
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import socket
@@ -320,6 +321,44 @@ def test_every_fit_is_recorded(tmp_path: Path) -> None:
     assert _summary(second)["run"]["steps"] == 20
 
 
+def test_validation_and_checkpoints_are_not_charged_to_steps_from_their_first_to_their_last_line(
+    tmp_path: Path,
+) -> None:
+    # The module's on_validation_end runs after the callbacks' hook, and a checkpoint reads the model's and
+    # optimizer's state before any on_save_checkpoint: 40 ms in each, every 10 steps.
+    run_dir = tmp_path / "run"
+    _run(
+        JOB, "--run-dir", run_dir, "--steps", 40, "--val-every", 10, "--ckpt-every", 10, "--ckpt-dir",
+        tmp_path / "ckpt", "--slow-ends-ms", 40, cwd=tmp_path,
+    )  # fmt: skip
+    rows = read_rows(run_dir)
+    paused = rows[:, COL["excluded_ms"]] >= 80  # both, back to back, in the same step
+    assert paused.sum() >= 3, rows[:, COL["excluded_ms"]]
+    assert rows[:, COL["other_ms"]].max() < 30, rows[:, COL["other_ms"]]
+
+
+def test_a_second_fit_after_a_resume_continues_from_the_first_not_from_the_checkpoint(tmp_path: Path) -> None:
+    run_dir, ckpt = tmp_path / "run", tmp_path / "ckpt"
+    common = ("--run-dir", run_dir, "--interval", 10, "--ckpt-dir", ckpt, "--ckpt-every", 30)
+    _run(JOB, *common, "--steps", 30, cwd=tmp_path)
+    _run(
+        JOB,
+        *common,
+        "--steps",
+        50,
+        "--ckpt-path",
+        ckpt / "epoch=0-step=30.ckpt",
+        "--refit-to",
+        80,
+        cwd=tmp_path,
+    )
+    rows = read_rows(run_dir)
+    assert sorted(rows[:, COL["step"]].tolist()) == list(range(80))  # each step once
+    for segment, steps in ((0, range(30)), (1, range(30, 50)), (2, range(50, 80))):
+        assert rows[rows[:, COL["segment"]] == segment][:, COL["step"]].tolist() == list(steps), segment
+    assert _summary(run_dir)["run"]["restarts"] == 2
+
+
 def test_one_step_gives_no_timing_finding_above_low(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     _run(JOB, "--run-dir", run_dir, "--fast-dev-run", cwd=tmp_path)
@@ -346,6 +385,17 @@ def test_manual_optimization_with_two_optimizers_numbers_steps_as_lightning(tmp_
     assert json.loads((tmp_path / "result.json").read_text())["global_step"] == 40
     rows = read_rows(run_dir)
     assert rows[:, COL["step"]].tolist() == list(range(0, 40, 2))  # one record per batch, at global_step
+    # Two forwards and backwards per batch of 16: the batch's samples count once.
+    assert (rows[:, COL["samples"]] == 16).all() and (rows[:, COL["micro_batches"]] == 2).all()
+    # The gathers are told by the records' own step numbers...
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    assert {e["step"] for e in events if e["type"] == "finding"} <= set(range(0, 40, 2))
+    # ...and the live metrics go where the user's own `self.log` goes: Lightning's loggers count batches.
+    with open(next((tmp_path / "csv").rglob("metrics.csv"))) as f:
+        logged = list(csv.DictReader(f))
+    ours = [int(r["step"]) for r in logged if r.get("pytscope/step_ms")]
+    theirs = [int(r["step"]) for r in logged if r.get("train_loss")]
+    assert ours and max(ours) <= max(theirs) + 1 and max(theirs) < 20, (ours, theirs)
 
 
 @pytest.mark.parametrize(

@@ -141,11 +141,26 @@ def test_bad_arguments_exit_2_without_traceback():
         ["nonsense"],
         ["report", ".", "--fail-on", "CRITICAL"],
         ["demo", "--ranks", "0"],
+        ["demo", "--steps", "0"],
     ):
         proc = subprocess.run(
             [sys.executable, "-m", "pytscope_core.cli", *argv], capture_output=True, text=True
         )
         assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, (argv, proc.stderr)
+
+
+def test_commands_that_cannot_write_or_have_nothing_to_show_exit_2_in_one_line(tmp_path, capsys):
+    RunWriter(tmp_path / "early", {"world_size": 2}).close()  # killed before its first gather: no rows
+    write_run(tmp_path / "r")
+    (tmp_path / "afile").write_text("")
+    for argv in (
+        ["trace", str(tmp_path / "early"), "-o", str(tmp_path / "t.json")],
+        ["report", str(tmp_path / "r"), "--plots", str(tmp_path / "afile")],
+        ["report", str(tmp_path / "r"), "--plots", str(tmp_path / "afile" / "sub")],
+    ):
+        capsys.readouterr()
+        assert main(argv) == 2, argv
+        assert len(capsys.readouterr().err.strip().splitlines()) == 1, argv
 
 
 @pytest.mark.parametrize(
@@ -155,6 +170,7 @@ def test_bad_arguments_exit_2_without_traceback():
         ("meta_null", "run setting warmup=None is not valid"),
         ("meta_event", "run setting interval='x' is not valid"),
         ("steps_dir", "steps.f64 cannot be read"),
+        ("steps_gone", "steps.f64 is missing"),
         ("events_dir", "events.jsonl cannot be read"),
         ("row", "1 corrupt row(s) of step records dropped"),
         ("event_entries", None),
@@ -178,6 +194,8 @@ def test_a_damaged_run_directory_still_reports_what_it_can(tmp_path, capsys, dam
         name = "steps.f64" if damage == "steps_dir" else "events.jsonl"
         (path / name).unlink()
         (path / name).mkdir()
+    elif damage == "steps_gone":
+        (path / "steps.f64").unlink()
     elif damage == "row":  # random bytes over one row in the middle
         raw = bytearray((path / "steps.f64").read_bytes())
         row = NCOLS * 8

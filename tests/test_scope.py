@@ -1,6 +1,7 @@
 """The torch-level Scope in one process: a real model, loader, optimizer; and the demo's scenarios."""
 
 import json
+import math
 import subprocess
 import sys
 import textwrap
@@ -13,6 +14,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from pytscope_core import Scope
 from pytscope_core.cli import main
+from pytscope_core.live import LIVE_STEPS
 from pytscope_core.rundir import load_run
 from pytscope_core.summary import summarize
 from pytscope_core.timeline import Mark
@@ -48,6 +50,17 @@ def train(run_dir, epochs=2, steps_per_epoch=40, accumulate=1, eval_s=0.0, **opt
             sum(model(xb).sum().item() for xb, _ in loader)  # an evaluation pass between epochs
             time.sleep(eval_s)  # ...as long as the test needs it to be
     return scope, model, loader
+
+
+def watched_linear(run_dir, state=None, **options):
+    """A Linear(8, 1) with SGD under a fresh scope (from a saved `state` if given): (scope, model, opt)."""
+    model = torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scope = Scope(run_dir, console=False, hang_timeout=None, **options)
+    if state is not None:
+        scope.load_state_dict(state)
+    scope.watch(model, opt)
+    return scope, model, opt
 
 
 def test_single_process_run_records_every_step_and_reports(tmp_path):
@@ -103,6 +116,31 @@ def test_resume_from_state_dict_continues_the_run(tmp_path):
     assert resumed.run_dir == tmp_path
     data = summarize(load_run(tmp_path).arrays, load_run(tmp_path).context).to_dict()
     assert data["run"]["steps"] == 50 and data["run"]["restarts"] == 1
+
+
+def test_two_resumes_from_the_same_checkpoint_are_two_segments(tmp_path):
+    # Preempted again before the next checkpoint: both launches resume from the step-20 state.
+    def launch(state, steps):
+        scope, model, opt = watched_linear(tmp_path, state, interval=10)
+        saved = None
+        for _ in range(steps):
+            model(torch.randn(4, 8)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            if scope.recorder.steps_done == 19:  # the checkpoint at the end of step 20
+                saved = scope.state_dict()
+        scope.finish()
+        return saved or scope.state_dict()
+
+    state = launch(None, 30)
+    assert state["step"] == 20
+    launch(state, 15)
+    launch(state, 20)
+    run = load_run(tmp_path)
+    rows = np.vstack([run.arrays.steps, run.arrays.segment[:, 0]]).T.tolist()
+    assert rows == [[s, 0] for s in range(1, 21)] + [[s, 2] for s in range(21, 41)]
+    assert [s.index for s in run.context.segments] == [0, 1, 2]
+    assert summarize(run.arrays, run.context).to_dict()["run"]["restarts"] == 2
 
 
 def test_an_internal_error_disables_the_scope_and_training_goes_on(tmp_path, capsys):
@@ -359,6 +397,45 @@ def test_sigterm_leaves_the_ungathered_steps_behind_and_still_ends_the_process(t
     assert summary["run"]["rank_ends"] == [{"rank": 0, "last_step": 79, "reason": "SIGTERM"}]
 
 
+def test_a_flush_cut_short_by_a_second_sigterm_is_done_by_the_next_caller(tmp_path):
+    # A second SIGTERM arrives while the first one's handler writes this rank's rows, and the previous
+    # handler raises in it (Lightning's broadcasts on a dying group): the write is cut short, and the
+    # rank's rows must still be written by the next flush (Lightning's on_exception, the scope's stop).
+    script = textwrap.dedent(f"""
+        import os, signal, torch
+        import pytscope_core.rundir as rundir
+        from pytscope_core import Scope
+        raised = []
+        def launcher_handler(signum, frame):
+            if not raised:
+                raised.append(1)
+                raise RuntimeError("broadcast on a dying group")
+        signal.signal(signal.SIGTERM, launcher_handler)
+        write = rundir.append_rank_rows
+        def write_after_a_second_sigterm(*args, **kwargs):
+            rundir.append_rank_rows = write
+            os.kill(os.getpid(), signal.SIGTERM)  # handled here, inside the first flush
+            return write(*args, **kwargs)
+        rundir.append_rank_rows = write_after_a_second_sigterm
+        model = torch.nn.Linear(4, 1); opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        scope = Scope({str(tmp_path)!r}, console=False, hang_timeout=None, interval=50)
+        scope.watch(model, opt)
+        for step in range(1, 31):
+            model(torch.randn(2, 4)).sum().backward(); opt.step(); opt.zero_grad()
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert raised and not (rundir.Path({str(tmp_path)!r}) / "ranks").exists()
+        scope.session.flush_own_rows("the fit raised RuntimeError")
+        os._exit(0)  # ends like a killed job: no final gather
+    """)
+    proc = run_job(tmp_path, script)
+    assert proc.returncode == 0, proc.stderr
+    run = load_run(tmp_path)
+    assert run.arrays.steps.tolist() == list(range(1, 31))  # step 30 had stepped: its rows are written too
+    assert summarize(run.arrays, run.context).to_dict()["run"]["rank_ends"][0]["reason"] == (
+        "the fit raised RuntimeError"
+    )
+
+
 def test_the_peak_follows_autocast_in_a_plain_loop(tmp_path):
     # fp32 parameters under bf16 autocast train at the bf16 rate: the bf16 peak is the one MFU divides by.
     model = torch.nn.Linear(8, 1)
@@ -451,3 +528,64 @@ def test_each_scope_error_is_in_the_run_once(tmp_path):
     scope.note_error("after the start", warn=False)
     scope.finish()
     assert load_run(tmp_path).context.scope_errors == ("before the run", "after the start")
+
+
+def test_tensors_and_numpy_numbers_are_logged_as_numbers_one_line_per_step(tmp_path):
+    scope, model, opt = watched_linear(tmp_path, interval=4)
+    for step in range(10):
+        for _ in range(2):  # two micro-batches, each logged: the step keeps the latest values
+            loss = model(torch.randn(4, 8)).pow(2).mean()
+            loss.backward()
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            scope.log(loss=np.float32(loss.item()), grad_norm=norm, lr=np.float64(0.01), phase="warm", n=step)
+        opt.step()
+        opt.zero_grad()
+    scope.finish()
+    assert scope.errors == [] and load_run(tmp_path).arrays.n_steps == 10
+    assert np.isfinite(load_run(tmp_path).arrays.loss).all()
+    lines = [json.loads(line) for line in (tmp_path / "scalars.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == list(range(1, 11))
+    assert all(isinstance(line["grad_norm"], float) and line["lr"] == 0.01 for line in lines)
+    assert lines[-1]["phase"] == "warm" and lines[-1]["n"] == 9.0
+
+
+def test_a_non_finite_loss_is_said_live_at_once_and_keeps_its_step_after_the_window_moves_on(tmp_path):
+    scope, model, opt = watched_linear(tmp_path, interval=10)
+    for step in range(1, 1101):
+        loss = model(torch.randn(4, 8)).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        scope.log(loss=loss * math.nan if step >= 15 else loss)
+    assert 1100 - LIVE_STEPS > 15 + 10  # the live window of recent steps no longer holds step 15
+    live = scope.session.live
+    live.diagnose(scope.step_label())
+    nonfinite = [f for f in live.findings if f.code == "CONVERGENCE.NONFINITE"]
+    assert [f.steps for f in nonfinite] == [(15,)]
+    scope.finish()
+    said = [
+        json.loads(line)
+        for line in (tmp_path / "events.jsonl").read_text().splitlines()
+        if "CONVERGENCE.NONFINITE" in line
+    ]
+    # Said at the first gather after step 15, though the live diagnosis's time budget would have skipped it.
+    assert said[0]["step"] == 20 and said[0]["finding"]["steps"] == [15]
+
+
+def test_a_batch_fed_to_two_watched_models_counts_its_samples_once(tmp_path):
+    torch.manual_seed(0)
+    loader = DataLoader(TensorDataset(torch.randn(160, 8), torch.randn(160, 1)), batch_size=16)
+    student, teacher = torch.nn.Linear(8, 1), torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD([*student.parameters(), *teacher.parameters()], lr=0.01)
+    scope = Scope(tmp_path, console=False, hang_timeout=None, interval=5)
+    scope.watch(student, opt, loader)
+    scope.watch(teacher)
+    for xb, yb in loader:
+        loss = (student(xb) - teacher(xb)).pow(2).mean() + (student(xb) - yb).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    scope.finish()
+    arrays = load_run(tmp_path).arrays
+    assert arrays.n_steps == 10 and (arrays.samples == 16).all()
+    assert (arrays.micro_batches == 3).all()  # forward passes: the student's two and the teacher's

@@ -27,6 +27,8 @@ FOREIGN_PRIVATE = {
     # torch.compile's wrapper module keeps the module it compiles there, with no public getter (compiled.py)
     "model._orig_mod",
     "torch._dynamo",  # torch < 2.3 has `is_compiling` there only (compiled.py)
+    # the step Lightning's loggers, LearningRateMonitor and DeviceStatsMonitor log at (no public getter)
+    "trainer.fit_loop.epoch_loop._batches_that_stepped",
 }
 
 

@@ -172,11 +172,14 @@ def first_nonfinite_columns(
     return int(steps[i]), tuple(int(rank_ids[j]) for j in np.flatnonzero(bad[i]))
 
 
-def convergence(arrays: RunArrays, sel: np.ndarray) -> Convergence:
+def convergence(
+    arrays: RunArrays, sel: np.ndarray, seen: tuple[int, tuple[int, ...]] | None = None
+) -> Convergence:
+    """`seen`: the run's first non-finite loss when known from steps before `arrays` (RunContext)."""
     per_step = loss_per_step(arrays)
     counted = per_step[sel]
     finite = per_step[np.isfinite(per_step)]
-    step, ranks = first_nonfinite(arrays)
+    step, ranks = seen if seen is not None else first_nonfinite(arrays)
     spark = finite
     if finite.size > 40:
         spark = stats.block_means(finite, 40)

@@ -18,6 +18,7 @@ import numpy as np
 from ..arrays import RunArrays
 from ..context import RunContext
 from ..records import COL
+from . import stats
 from .distributed import DistributedTiming
 from .timing import StepTiming
 
@@ -146,7 +147,9 @@ def goodput(arrays: RunArrays, ctx: RunContext, wall: np.ndarray, sel: np.ndarra
     finite_wall = np.where(np.isfinite(wall), wall, 0.0)
     productive = float(finite_wall[sel].sum()) / 1e3 if n else 0.0
     warmup = float(finite_wall[~sel].sum()) / 1e3 if n else 0.0
-    excluded = float(np.nansum(_per_step(arrays.excluded_ms, "max"))) / 1e3 if n else 0.0
+    # Rank means, like the step wall: a pause on rank 0 and its peers' wait for it in the next step (moved to
+    # excluded as well) are one stretch of the job's time, not two.
+    excluded = float(np.nansum(stats.mean_over_ranks(arrays.excluded_ms))) / 1e3 if n else 0.0
     accounted = productive + warmup + excluded + rep_wall + downtime
     elapsed = max(elapsed, accounted)  # clocks of different hosts can disagree; never report goodput > 1
     return Goodput(

@@ -520,8 +520,12 @@ def nonfinite(a: RunAnalysis) -> list[Finding]:
             severity=Severity.HIGH,
             title=f"The loss became non-finite at step {c.nonfinite_step}",
             detail=(
-                f"First NaN/Inf loss at step {c.nonfinite_step} on rank(s) {format_ranks(c.nonfinite_ranks)}; the "
-                f"run's last finite loss is {c.last_loss:.4g}."
+                f"First NaN/Inf loss at step {c.nonfinite_step} on rank(s) {format_ranks(c.nonfinite_ranks)}"
+                + (
+                    f"; the last finite loss logged was {c.last_loss:.4g}."
+                    if math.isfinite(c.last_loss)
+                    else "."
+                )
             ),
             recommendation=(
                 "Lower the learning rate or add warm-up, clip gradients, and check the batch at that step "

@@ -59,7 +59,7 @@ def analyze(arrays: RunArrays, ctx: RunContext) -> RunAnalysis:
         last_step=int(arrays.steps[-1]) if arrays.n_steps else None,
         timing=timing,
         distributed=dist,
-        convergence=convergence(arrays, sel),
+        convergence=convergence(arrays, sel, ctx.first_nonfinite),
         efficiency=efficiency(arrays, ctx, timing, dist, wall, sel),
         memory=memory_stats(arrays, ctx, sel),
         duplicates=duplicate_shards(arrays),
@@ -85,8 +85,15 @@ def rank_ends(arrays: RunArrays, ctx: RunContext) -> tuple[RankEnd, ...]:
         early = last is None or last_index[i] < arrays.n_steps - 1
         if not early and rank not in notes:
             continue
+        later = [
+            seg for seg in ctx.segments if seg.resumed_from_step >= (last or 0) and seg.world_size <= rank
+        ]
         if rank in notes:
             reason = notes[rank]
+        elif later:  # an elastic restart with fewer ranks
+            reason = (
+                f"the job resumed from step {later[0].resumed_from_step} with {later[0].world_size} rank(s)"
+            )
         elif ctx.hang_reports:
             reason = "hang"
         elif ctx.scope_disabled:

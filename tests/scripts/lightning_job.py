@@ -70,16 +70,18 @@ class Job(pl.LightningModule):
         if self.args.inf_from and self.global_step >= self.args.inf_from:
             loss = loss * float("inf")  # what TensorBoard shows at this global_step
         if self.args.manual:
-            return self._manual_step(loss)
+            return self._manual_step(loss, x, y)
         return {"loss": loss} if self.args.dict_output else loss
 
-    def _manual_step(self, loss: torch.Tensor) -> torch.Tensor:
-        # Two optimizers, each stepped every batch: Lightning's global_step advances by two per batch.
+    def _manual_step(self, loss: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        # Two optimizers, each with a forward and backward of its own over the batch, as a GAN's generator
+        # and discriminator: Lightning's global_step advances by two per batch, its loggers' step by one.
         first, second = self.optimizers()  # type: ignore[misc]
         first.zero_grad()
-        second.zero_grad()
         self.manual_backward(loss)
         first.step()
+        second.zero_grad()
+        self.manual_backward(F.cross_entropy(self.net(x), y))
         second.step()
         self.log("train_loss", loss)
         return loss
@@ -88,12 +90,24 @@ class Job(pl.LightningModule):
         x, y = batch
         self.log("val_loss", F.cross_entropy(self.net(x), y), sync_dist=True)
 
+    def on_validation_end(self) -> None:
+        spin(self.args.slow_ends_ms)  # the module's hook runs after the callbacks' on_validation_end
+
     def configure_optimizers(self) -> Any:
         if self.args.manual:
             params = list(self.net.parameters())
             half = len(params) // 2
             return [torch.optim.SGD(params[:half], lr=0.05), torch.optim.SGD(params[half:], lr=0.05)]
-        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+        if self.args.slow_ends_ms:
+            state_dict = optimizer.state_dict
+
+            def slow_state_dict() -> dict[str, Any]:  # read by a checkpoint before on_save_checkpoint runs
+                spin(self.args.slow_ends_ms)
+                return state_dict()
+
+            optimizer.state_dict = slow_state_dict  # type: ignore[method-assign]
+        return optimizer
 
     def _data(self, samples: int, seed: int) -> TensorDataset:
         x = torch.randn(samples, 32, generator=torch.Generator().manual_seed(seed))
@@ -185,6 +199,14 @@ def main() -> None:
     p.add_argument("--inf-from", type=int, default=0, help="the loss is infinite from this global step on")
     p.add_argument("--manual", action="store_true", help="manual optimization with two optimizers")
     p.add_argument("--fits", type=int, default=1, help="fit this many times with the same callback")
+    p.add_argument("--refit-to", type=int, default=0, help="then fit the same trainer again, to this step")
+    p.add_argument(
+        "--slow-ends-ms",
+        type=float,
+        default=0.0,
+        help="the module's on_validation_end and the optimizer's "
+        "state_dict (read by checkpoints) take this long",
+    )
     p.add_argument("--fast-dev-run", action="store_true")
     p.add_argument("--flops-per-step", type=float, default=None)
     p.add_argument("--peak-flops", type=float, default=None)
@@ -253,6 +275,9 @@ def main() -> None:
     except (RuntimeError, KeyboardInterrupt) as exc:  # a notebook or sweep driver catching the failure
         result["caught"] = f"{type(exc).__name__}: {exc}"
         time.sleep(args.hang_timeout * 3 if args.hang_timeout else 0)  # a watchdog left behind would fire
+    if args.refit_to:
+        trainer.fit_loop.epoch_loop.max_steps = args.refit_to  # train on: the same trainer, a second fit
+        trainer.fit(module)
     for _ in range(args.fits - 1):
         trainer = make_trainer(args.steps)  # a new trainer with the same callback: a new run
         trainer.fit(Job(args))
