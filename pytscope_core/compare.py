@@ -239,6 +239,14 @@ def render_comparison(c: Comparison) -> RenderableType:
     ]
     blind = {label: note for label, note in (("A", c.comm_note_a), ("B", c.comm_note_b)) if note}
     parts.extend(Text(f"{label}: {note}", style="yellow") for label, note in blind.items())
+    if c.world_size_a != c.world_size_b:
+        parts.append(
+            Text(
+                f"A and B ran on {c.world_size_a} and {c.world_size_b} ranks: their steps need not be the same "
+                "work; `pytscope scaling A B` compares throughput and scaling efficiency.",
+                style="yellow",
+            )
+        )
     timing = Table(box=None, pad_edge=False)
     for name in ("", "A", "B", "change"):
         timing.add_column(name, justify="left" if not name else "right")

@@ -136,7 +136,7 @@ def read_rank_files(
     folder = path / "ranks"
     if not folder.is_dir():
         return np.empty((0, NCOLS)), {}
-    parts = [read_rows(folder, columns, name=f.name) for f in sorted(folder.glob("rank*.f64"))]
+    parts = [read_rows(folder, columns, name=f.name) for f in sorted(folder.glob("rank*.f64")) if f.is_file()]
     rows = np.concatenate(parts) if parts else np.empty((0, NCOLS))
     if rows.size:  # keep each (rank, segment, step) once, and only if no gather brought it already
         key_cols = [COLUMNS.index(c) for c in ("rank", "segment", "step")]
@@ -148,7 +148,7 @@ def read_rank_files(
         rows = rows[keep]
     every = np.concatenate([known, rows])
     reasons: dict[int, str] = {}
-    for f in sorted(folder.glob("rank*.jsonl")):
+    for f in sorted(f for f in folder.glob("rank*.jsonl") if f.is_file()):
         for line in f.read_text(errors="replace").splitlines():
             try:
                 entry = json.loads(line)

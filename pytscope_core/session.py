@@ -256,10 +256,13 @@ class RunSession:
         if scope.enabled:
             if coordinator.distributed and not dist_alive():
                 scope.note_error(
-                    "finish() ran after the process group was destroyed: only rank 0's last steps are in the "
-                    "run; call finish() before destroy_process_group() / accelerator.end_training()"
+                    "finish() ran after the process group was destroyed: the other ranks' last steps are in "
+                    "their own files (ranks/), not in this summary; call finish() before "
+                    "destroy_process_group() / accelerator.end_training()"
                 )
                 coordinator.gatherer = None
+                if self.rank != 0:  # rank 0 writes its own below, as a process of its own
+                    self.flush_own_rows("finish() after the process group was destroyed")
             elif coordinator.distributed:
                 absent = coordinator.all_ranks_arrive(scope.segment)
                 if absent is not None:

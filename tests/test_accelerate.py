@@ -196,6 +196,9 @@ def test_finish_after_end_training_says_so(tmp_path: Path) -> None:
     errors = json.loads((run_dir / "summary.json").read_text())["scope"]["errors"]
     assert any("after the process group was destroyed" in e for e in errors)
     assert "Scope errors" in proc.stdout  # and the printed summary says it too
+    # Every rank's steps are in the run: rank 1's last ones from its own file.
+    run = load_run(run_dir)
+    assert run.arrays.n_steps == 40 and np.isfinite(run.arrays.wall_ms).all()
 
 
 def test_live_metrics_reach_accelerate_trackers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -85,6 +85,18 @@ def test_healthy_runs_have_no_high_or_med_finding(ranks):
         assert analyze(arrays, RunContext(world_size=ranks)).distributed.stragglers == ()
 
 
+def test_recoverable_other_time_that_is_the_stragglers_own_work_says_so():
+    ph = np.array(make_run(400, 4).phases)
+    ph[:, 3, 5] += 4.0  # rank 3 does 4 ms of its own work after the optimizer step (code in `other`)
+    local = ph.sum(axis=2) - ph[:, :, 3]
+    ph[:, :, 3] = local.max(axis=1, keepdims=True) - local + TRANSFER_MS
+    arrays = RunArrays.from_arrays(ph, loss=make_run(400, 4).loss[:, 0])
+    found = {f.code: f for f in diagnose(arrays, RunContext(world_size=4), strict=True)}
+    assert found["DIST.STRAGGLER"].ranks == (3,)
+    advice = found["EFFICIENCY.RECOVERABLE"].recommendation
+    assert "the extra work in `other` on rank 3, the straggler" in advice and "logging" not in advice, advice
+
+
 def test_two_rank_alternating_difference_is_not_a_straggler():
     # docs/MEASUREMENTS.md item 3: healthy 2-rank runs differ by up to ~7% in median with the faster rank alternating.
     rng = np.random.default_rng(1)

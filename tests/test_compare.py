@@ -128,3 +128,17 @@ def test_communication_not_measured_in_one_run_is_not_a_change(tmp_path, capsys)
     assert data["a"]["comm_measured"] and not data["b"]["comm_measured"]
     assert data["timing"]["phases"]["comm"]["share_b"] is None
     assert data["timing"]["phases"]["comm"]["measured_b"] is False
+
+
+def test_runs_on_different_numbers_of_ranks_point_to_scaling(tmp_path):
+    from rich.console import Console
+
+    ms = {"forward": 4.0, "backward": 4.0, "comm": 0.5}
+    run_a = write_run(tmp_path / "a", phases_of(STEPS, 2, ms))
+    run_b = write_run(tmp_path / "b", phases_of(STEPS, 4, ms))
+    console = Console(file=io.StringIO(), width=200, color_system=None)
+    console.print(render_comparison(compare_runs(load_run(run_a), load_run(run_b))))
+    assert "ran on 2 and 4 ranks" in console.file.getvalue()
+    console = Console(file=io.StringIO(), width=200, color_system=None)
+    console.print(render_comparison(compare_runs(load_run(run_a), load_run(run_a))))
+    assert "ranks:" not in console.file.getvalue()

@@ -7,7 +7,7 @@ import pytest
 
 from pytscope_core.cli import main
 from pytscope_core.records import COL, NCOLS
-from pytscope_core.rundir import RunWriter, load_run
+from pytscope_core.rundir import RunWriter, append_rank_rows, load_run
 
 
 def rows_for(world=2, steps=60, segment=0, first=1, slow_rank=None):
@@ -231,3 +231,13 @@ def test_a_rank_note_says_why_records_end_only_where_they_end(tmp_path):
     assert run.context.rank_notes == ()
     append_rank_rows(tmp_path / "r", 1, rows_for(steps=60)[1::2], "SIGTERM")
     assert load_run(tmp_path / "r").context.rank_notes == ((1, "SIGTERM"),)
+
+
+def test_a_folder_named_like_a_rank_file_leaves_the_other_rank_files_read(tmp_path):
+    write_run(tmp_path)  # steps 1-60 gathered
+    last = rows_for(steps=1, first=61)
+    append_rank_rows(tmp_path, 1, last[last[:, COL["rank"]] == 1], "SIGTERM", at_step=61)
+    (tmp_path / "ranks" / "rank3.f64").mkdir()
+    (tmp_path / "ranks" / "rank3.jsonl").mkdir()
+    run = load_run(tmp_path)
+    assert run.problems == [] and run.arrays.n_steps == 61

@@ -735,6 +735,15 @@ _ADVICE = {
 }
 
 
+def _advice(line: str, a: RunAnalysis) -> str:
+    """What to do about a budget line; `other` that is mostly one straggler's extra work says so."""
+    d = a.distributed
+    slow = [r for r in d.per_rank if r.straggler and r.extra_phase == "other"]
+    if line == "other" and len(d.stragglers) == 1 and slow:
+        return f"the extra work in `other` on rank {slow[0].rank}, the straggler (see DIST.STRAGGLER)"
+    return _ADVICE[line]
+
+
 @rule("EFFICIENCY.RECOVERABLE")
 def recoverable(a: RunAnalysis) -> list[Finding]:
     e = a.efficiency
@@ -751,7 +760,7 @@ def recoverable(a: RunAnalysis) -> list[Finding]:
             title=f"{_pct(e.recoverable_share)} of wall time is recoverable",
             detail=f"Largest recoverable lines of the wall-time budget: {listed}.",
             recommendation="Start with the largest line: "
-            + "; then ".join(_ADVICE[x.name] for x in lines)
+            + "; then ".join(_advice(x.name, a) for x in lines)
             + ".",
             evidence={x.name: x.share for x in lines},
         )
