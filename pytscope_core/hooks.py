@@ -248,7 +248,8 @@ class TorchHooks:
         if self.recorder.in_step:
             self.recorder.forward_ended(self._batch_samples)
             # A batch's samples count once, however many forwards it feeds (two models, a GAN's two
-            # passes): 0 for the next forwards of the same batch (NaN, a size not known, stays NaN).
+            # passes): 0 for the next forwards of the same batch (NaN, a size not known, stays NaN). Several
+            # optimizer steps on one fetched batch are one step (it closes at the next fetch).
             self._batch_samples *= 0.0
             self.backward.forward_done(output, grad_sync)
 

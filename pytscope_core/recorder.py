@@ -20,6 +20,7 @@ from .batches import resolve_fingerprints
 from .clocks import Clock, HostClock
 from .records import COL, NCOLS, PHASE_COLS
 from .timeline import Mark, attribute_many
+from .values import to_floats
 
 # Plain ints for the hot path (an enum member lookup costs more than the append it feeds).
 _STEP_END, _FORWARD_END, _OPTIMIZER_END = int(Mark.STEP_END), int(Mark.FORWARD_END), int(Mark.OPTIMIZER_END)
@@ -334,13 +335,14 @@ class StepRecorder:
 
 
 def step_losses(logged: list[list[Any]]) -> list[float]:
-    """Each step's loss for the records: NaN when none was logged, +inf when any logged value was NaN or
-    infinite (so a logged NaN differs from "not logged"), else the last one logged."""
+    """Each step's loss for the records: NaN when none was logged (or nothing logged was a number), +inf
+    when any logged value was NaN or infinite (so a logged NaN differs from "not logged"), else the last one
+    logged."""
     flat = [loss for losses in logged for loss in losses]
     values = iter(to_floats(flat))
     out = []
     for losses in logged:
-        vals = [next(values) for _ in losses]
+        vals = [v for v in (next(values) for _ in losses) if v is not None]  # None: not a number
         if not vals:
             out.append(math.nan)
         elif all(math.isfinite(v) for v in vals):
@@ -348,43 +350,3 @@ def step_losses(logged: list[list[Any]]) -> list[float]:
         else:
             out.append(math.inf)
     return out
-
-
-def to_floats(values: list[Any]) -> list[float]:
-    """Logged values as floats: Python and numpy numbers, and tensors (the mean of a tensor of several
-    elements); NaN for None or anything that is not a number. Tensors stay on their device until here, so
-    the hot path never forces a device sync, and all of them are read in one copy: at most one sync."""
-    out = [math.nan] * len(values)
-    tensor_type = getattr(sys.modules.get("torch"), "Tensor", None)  # only if torch was imported already
-    tensors = []
-    where = []
-    for i, value in enumerate(values):
-        if value is None:
-            continue
-        if tensor_type is not None and isinstance(value, tensor_type):
-            tensors.append(value)
-            where.append(i)
-            continue
-        try:
-            out[i] = float(np.mean(value)) if isinstance(value, np.ndarray) else float(value)
-        except (TypeError, ValueError):
-            pass
-    if tensors:
-        import torch
-
-        if all(t.device.type == "cpu" and t.numel() == 1 for t in tensors):
-            read = [t.item() for t in tensors]
-        else:  # one stack and one copy for the window
-            read = torch.stack([t.detach().float().mean() for t in tensors]).cpu().tolist()
-        for i, v in zip(where, read, strict=True):
-            out[i] = float(v)
-    return out
-
-
-def scalar_lines(lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Logged scalar lines ({"step": ..., name: value}) with every value a plain float (tensors read in one
-    copy), text kept as it is, anything else NaN; changed in place."""
-    keys = [(line, k) for line in lines for k, v in line.items() if k != "step" and not isinstance(v, str)]
-    for (line, k), number in zip(keys, to_floats([line[k] for line, k in keys]), strict=True):
-        line[k] = number
-    return lines

@@ -33,8 +33,9 @@ from .flops import StepFlops
 from .hooks import TorchHooks
 from .options import ScopeOptions
 from .parallelism import UNWATCHED, current_rank, current_world_size, detect
-from .recorder import StepRecorder, scalar_lines
+from .recorder import StepRecorder
 from .session import RunSession
+from .values import ScalarLog
 
 
 class Scope:
@@ -78,7 +79,7 @@ class Scope:
         self._started = False
         self._finished = False
         self._atexit_registered = False
-        self._scalars: list[dict[str, Any]] = []  # rank 0's extra scalars, written at the next gather
+        self.scalars = ScalarLog()  # rank 0's extra scalars, written at the next gather
         self.hooks.flop_estimate = self.flops.estimate
         self.hooks.first_forward = self.flops.note_forward
 
@@ -195,19 +196,7 @@ class Scope:
             detach = getattr(loss, "detach", None)  # a tensor: its graph must not be kept until the gather
             self.recorder.set_loss(loss if detach is None else detach())
         if scalars and self.rank == 0:
-            step = self.step_label(open_step=True)
-            values = {k: v.detach() if hasattr(v, "detach") else v for k, v in scalars.items()}
-            if (
-                self._scalars and self._scalars[-1]["step"] == step
-            ):  # one line per step; the latest value wins
-                self._scalars[-1].update(values)
-            else:
-                self._scalars.append({"step": step, **values})
-
-    def take_scalars(self) -> list[dict[str, Any]]:
-        """The extra scalars logged since the last call, one dict per step (`scalar_lines`)."""
-        lines, self._scalars = self._scalars, []
-        return scalar_lines(lines)
+            self.scalars.add(self.step_label(open_step=True), scalars)
 
     def set_metrics_sink(self, sink: Callable[[dict[str, float], int], None]) -> None:
         """Where each live diagnosis's metrics go (Lightning's loggers, `accelerator.log`); rank 0 only."""

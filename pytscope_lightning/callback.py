@@ -65,6 +65,7 @@ class ScopeCallback(Callback):
         self.scope: Scope | None = None
         self._ddp: Any = None  # the strategy's DistributedDataParallel, when there is one
         self._restored: dict[str, Any] | None = None
+        self._stage: str | None = None  # the trainer's current stage, from setup() ("fit", "validate" ...)
         self._fits = 0
         self._fetch_timed = False  # the wait for data is bracketed by the training loop's fetch hooks
 
@@ -79,14 +80,18 @@ class ScopeCallback(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # Lightning restores callbacks after setup() (fit(ckpt_path=...)): the scope continues that run now.
         # A state restored before any setup waits for it. Either way it is used once: a later fit of the same
-        # trainer continues from where this one ends, not from the checkpoint again.
-        if self.scope is not None and not self.scope.finished and state_dict:
+        # trainer continues from where this one ends, not from the checkpoint again. validate/test/predict
+        # (ckpt_path=...) restore callbacks too: no training continues there.
+        if self._stage not in (None, "fit") or not state_dict:
+            return
+        if self.scope is not None and not self.scope.finished:
             self.scope.load_state_dict(dict(state_dict))
         else:
             self._restored = dict(state_dict)
 
     # -- fit start and end --------------------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._stage = stage
         if stage != "fit" or (self.scope is not None and not self.scope.finished):
             return
         previous = self.scope.state_dict() if self.scope is not None else None
@@ -128,6 +133,7 @@ class ScopeCallback(Callback):
             self.scope.stop(f"the fit raised {type(exception).__name__}")
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._stage = None
         if stage == "fit" and self.scope is not None and not self.scope.finished:
             _unhook_trainer(trainer)
             self.scope.stop("the fit ended before its training did")
@@ -176,12 +182,14 @@ class ScopeCallback(Callback):
     def on_validation_start(self, scope: Scope, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         scope.pause()
 
-    # Validation ends at the next training batch (on_train_batch_start), not in on_validation_end: the
-    # module's own on_validation_end and the loop's teardown run after the callbacks' hook.
+    # No resume in on_validation_end: the module's own on_validation_end and the loop's teardown run after the
+    # callbacks' hook. The pause runs to the end of the step it is in (the next fetch opens a new step) or,
+    # without the fetch hooks, to the next batch (on_train_batch_start).
 
     @_guarded
     def on_train_epoch_end(self, scope: Scope, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # Epoch-end hooks and the next epoch's loader start-up are not part of any step.
+        # Epoch-end hooks are not part of any step: the pause runs to the end of the epoch's last step (the
+        # next fetch opens a new step, so the next epoch's loader start-up is its first step's wait for data).
         scope.pause()
 
     # -- helpers ------------------------------------------------------------------------------------------
@@ -280,6 +288,7 @@ def _pause_for_checkpoints(scope: Scope, trainer: pl.Trainer) -> None:
             scope.fail(exc)
         return save(*args, **kwargs)
 
+    save_checkpoint.pytscope_pause = True  # type: ignore[attr-defined]
     trainer.save_checkpoint = save_checkpoint  # type: ignore[method-assign]
 
 
@@ -288,7 +297,13 @@ def _unhook_trainer(trainer: pl.Trainer) -> None:
     # usual; the trainer's own save_checkpoint is back.
     for name in ("_on_before_fetch", "_on_after_fetch"):
         trainer.fit_loop.epoch_loop.__dict__.pop(name, None)
-    trainer.__dict__.pop("save_checkpoint", None)
+    ours = trainer.__dict__.get("save_checkpoint")
+    if getattr(ours, "pytscope_pause", False):  # (not if another tool wrapped it since: it keeps ours inside)
+        previous = ours.__wrapped__  # type: ignore[union-attr]
+        if getattr(previous, "__func__", None) is type(trainer).save_checkpoint:
+            del trainer.__dict__["save_checkpoint"]  # the class's own method again
+        else:
+            trainer.save_checkpoint = previous  # type: ignore[method-assign]  # a wrapper from before ours
 
 
 def _loss_of(outputs: Any, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Any:

@@ -344,12 +344,12 @@ def test_goodput_across_two_segments_with_replayed_rows():
 
 def test_a_rank_left_out_of_a_smaller_resumed_job_is_not_called_killed():
     first = _rows(0, range(1, 51), 1000.0)
-    second = _rows(1, range(61, 101), 1010.0, ranks=1)  # resumed from step 60 on one rank
-    ctx = RunContext(world_size=2, segments=(Segment(0, 1000.0, 0, 2), Segment(1, 1010.0, 60, 1)))
+    second = _rows(1, range(41, 101), 1010.0, ranks=1)  # resumed from the step-40 checkpoint on one rank
+    ctx = RunContext(world_size=2, segments=(Segment(0, 1000.0, 0, 2), Segment(1, 1010.0, 40, 1)))
     ends = summarize(RunArrays.from_rows(np.vstack([first, second]), warmup=0), ctx).to_dict()["run"][
         "rank_ends"
     ]
-    assert ends == [{"rank": 1, "last_step": 50, "reason": "the job resumed from step 60 with 1 rank(s)"}]
+    assert ends == [{"rank": 1, "last_step": 50, "reason": "the job resumed from step 40 with 1 rank(s)"}]
 
 
 def test_a_pause_on_rank_0_and_the_wait_for_it_count_once_in_goodput():

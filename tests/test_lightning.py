@@ -329,8 +329,9 @@ def test_validation_and_checkpoints_are_not_charged_to_steps_from_their_first_to
     run_dir = tmp_path / "run"
     _run(
         JOB, "--run-dir", run_dir, "--steps", 40, "--val-every", 10, "--ckpt-every", 10, "--ckpt-dir",
-        tmp_path / "ckpt", "--slow-ends-ms", 40, cwd=tmp_path,
+        tmp_path / "ckpt", "--slow-ends-ms", 40, "--result", tmp_path / "result.json", cwd=tmp_path,
     )  # fmt: skip
+    assert json.loads((tmp_path / "result.json").read_text())["trainer_as_it_was"]
     rows = read_rows(run_dir)
     paused = rows[:, COL["excluded_ms"]] >= 80  # both, back to back, in the same step
     assert paused.sum() >= 3, rows[:, COL["excluded_ms"]]
@@ -357,6 +358,24 @@ def test_a_second_fit_after_a_resume_continues_from_the_first_not_from_the_check
     for segment, steps in ((0, range(30)), (1, range(30, 50)), (2, range(50, 80))):
         assert rows[rows[:, COL["segment"]] == segment][:, COL["step"]].tolist() == list(steps), segment
     assert _summary(run_dir)["run"]["restarts"] == 2
+
+
+def test_validating_a_checkpoint_before_a_fit_does_not_make_the_fit_its_resume(tmp_path: Path) -> None:
+    run_dir, ckpt = tmp_path / "run", tmp_path / "ckpt"
+    _run(JOB, "--run-dir", run_dir, "--steps", 30, "--ckpt-dir", ckpt, "--ckpt-every", 30, cwd=tmp_path)
+    _run(
+        JOB,
+        "--run-dir",
+        run_dir,
+        "--steps",
+        20,
+        "--validate-first",
+        ckpt / "epoch=0-step=30.ckpt",
+        cwd=tmp_path,
+    )
+    assert read_rows(run_dir)[:, COL["step"]].tolist() == list(range(30))  # the first run, untouched
+    fresh = read_rows(tmp_path / "run-2")  # a new fit from step 0: a run of its own
+    assert fresh[:, COL["step"]].tolist() == list(range(20)) and (fresh[:, COL["segment"]] == 0).all()
 
 
 def test_one_step_gives_no_timing_finding_above_low(tmp_path: Path) -> None:

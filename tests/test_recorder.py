@@ -1,5 +1,7 @@
 import math
 
+import numpy as np
+
 from pytscope_core.recorder import StepRecorder
 from pytscope_core.records import COL
 from pytscope_core.timeline import Mark
@@ -140,3 +142,21 @@ def test_a_loader_of_numpy_arrays_is_sized_and_fingerprinted():
     assert errors == []
     assert list(rows[:, COL["samples"]]) == [8.0, 8.0]
     assert math.isfinite(rows[0, COL["batch_fp"]]) and math.isnan(rows[1, COL["batch_fp"]])
+
+
+def test_logged_values_are_read_as_numbers_or_not_at_all():
+    import torch
+
+    from pytscope_core.recorder import step_losses
+    from pytscope_core.values import to_floats
+
+    values = [
+        None, 1, np.float32(2.5), np.array([1.0, 3.0]), torch.tensor(4.0), torch.tensor([1.0, 3.0]),
+        torch.tensor(3.0, dtype=torch.bfloat16), torch.tensor(float("nan")), "1.5", {"a": 1}, 10**400,
+        torch.tensor(1 + 2j), torch.tensor([]), torch.tensor(5.0, device="meta"),
+    ]  # fmt: skip
+    read = to_floats(values)
+    assert read[:7] == [None, 1.0, 2.5, 2.0, 4.0, 2.0, 3.0] and math.isnan(read[7])
+    assert read[8:] == [None] * 6  # text, containers, overflow, complex, empty, unreadable: not numbers
+    # A step whose only loss is not a number has no loss; a NaN loss is non-finite.
+    assert math.isnan(step_losses([["abc"]])[0]) and step_losses([[torch.tensor(float("nan"))]]) == [math.inf]

@@ -532,21 +532,31 @@ def test_each_scope_error_is_in_the_run_once(tmp_path):
 
 def test_tensors_and_numpy_numbers_are_logged_as_numbers_one_line_per_step(tmp_path):
     scope, model, opt = watched_linear(tmp_path, interval=4)
+    tokens = torch.zeros(())  # a counter the loop updates in place
     for step in range(10):
         for _ in range(2):  # two micro-batches, each logged: the step keeps the latest values
             loss = model(torch.randn(4, 8)).pow(2).mean()
             loss.backward()
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            scope.log(loss=np.float32(loss.item()), grad_norm=norm, lr=np.float64(0.01), phase="warm", n=step)
+            tokens += 4
+            scope.log(
+                loss=np.float32(loss.item()), grad_norm=norm, lr=np.float64(0.01), phase="warm", n=step,
+                tokens=tokens, per_layer=torch.tensor([1.0, 3.0]), odd={"a": 1},
+            )  # fmt: skip
         opt.step()
         opt.zero_grad()
+    scope.log(loss="not a number")  # read as no loss at all: not a non-finite one
     scope.finish()
     assert scope.errors == [] and load_run(tmp_path).arrays.n_steps == 10
     assert np.isfinite(load_run(tmp_path).arrays.loss).all()
     lines = [json.loads(line) for line in (tmp_path / "scalars.jsonl").read_text().splitlines()]
     assert [line["step"] for line in lines] == list(range(1, 11))
     assert all(isinstance(line["grad_norm"], float) and line["lr"] == 0.01 for line in lines)
-    assert lines[-1]["phase"] == "warm" and lines[-1]["n"] == 9.0
+    assert [line["tokens"] for line in lines] == [8.0 * s for s in range(1, 11)]  # as logged, not as now
+    assert lines[-1]["phase"] == "warm" and lines[-1]["n"] == 9.0 and lines[-1]["per_layer"] == 2.0
+    assert lines[-1]["odd"] is None
+    summary = summarize(load_run(tmp_path).arrays, load_run(tmp_path).context)
+    assert "CONVERGENCE.NONFINITE" not in {f.code for f in summary.findings}
 
 
 def test_a_non_finite_loss_is_said_live_at_once_and_keeps_its_step_after_the_window_moves_on(tmp_path):

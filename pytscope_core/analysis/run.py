@@ -85,9 +85,8 @@ def rank_ends(arrays: RunArrays, ctx: RunContext) -> tuple[RankEnd, ...]:
         early = last is None or last_index[i] < arrays.n_steps - 1
         if not early and rank not in notes:
             continue
-        later = [
-            seg for seg in ctx.segments if seg.resumed_from_step >= (last or 0) and seg.world_size <= rank
-        ]
+        ended_in = arrays.segment[last_index[i], i] if has_any[i] else -1  # the segment of its last record
+        later = [seg for seg in ctx.segments if seg.index > ended_in and seg.world_size <= rank]
         if rank in notes:
             reason = notes[rank]
         elif later:  # an elastic restart with fewer ranks

@@ -200,6 +200,7 @@ def main() -> None:
     p.add_argument("--manual", action="store_true", help="manual optimization with two optimizers")
     p.add_argument("--fits", type=int, default=1, help="fit this many times with the same callback")
     p.add_argument("--refit-to", type=int, default=0, help="then fit the same trainer again, to this step")
+    p.add_argument("--validate-first", default=None, help="trainer.validate(ckpt_path=this) before the fit")
     p.add_argument(
         "--slow-ends-ms",
         type=float,
@@ -270,6 +271,8 @@ def main() -> None:
     module: Any = Job(args)
     if args.compile:
         module = torch.compile(module, backend=args.compile, fullgraph=True)
+    if args.validate_first:
+        trainer.validate(module, ckpt_path=args.validate_first)
     try:
         trainer.fit(module, ckpt_path=args.ckpt_path)
     except (RuntimeError, KeyboardInterrupt) as exc:  # a notebook or sweep driver catching the failure
@@ -282,7 +285,11 @@ def main() -> None:
         trainer = make_trainer(args.steps)  # a new trainer with the same callback: a new run
         trainer.fit(Job(args))
     if args.result and trainer.is_global_zero:
-        result.update(global_step=trainer.global_step, world_size=trainer.world_size)
+        result.update(
+            global_step=trainer.global_step,
+            world_size=trainer.world_size,
+            trainer_as_it_was="save_checkpoint" not in trainer.__dict__,  # the scope's wrapper is gone
+        )
         with open(args.result, "w") as f:
             json.dump(result, f)
 
