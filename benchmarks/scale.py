@@ -164,7 +164,7 @@ def rank0_ingest(world: int, intervals: int = 5) -> dict[str, Any]:
                 live.record(headers, rows, i + 1, n)
                 t1 = time.perf_counter()
                 live.diagnose(n)
-                live.publish_metrics()
+                live.publish_metrics(n)
                 record_s.append(t1 - t0)
                 diagnose_s.append(time.perf_counter() - t1)
             if traced:
