@@ -12,6 +12,7 @@ import json
 import math
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, NoReturn
 
 EXIT_OK, EXIT_FINDINGS, EXIT_BAD_INPUT = 0, 1, 2
@@ -57,6 +58,11 @@ def cmd_report(args: argparse.Namespace) -> int:
     except RunDirError as exc:
         raise UsageError(str(exc)) from None
     summary = summarize(run.arrays, run.context, extra_findings=tuple(run.extra_findings))
+    if getattr(args, "plots", None):  # a folder that cannot be made fails before the report is printed
+        try:
+            Path(args.plots).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise UsageError(f"pytscope report: cannot write plots into {args.plots}: {_why(exc)}") from None
     data = summary.to_dict()
     if run.problems:
         data.setdefault("scope", {})["read_problems"] = run.problems

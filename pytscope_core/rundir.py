@@ -4,7 +4,7 @@ Layout (all plain data, append-only while training):
   meta.json      settings and environment, written once when the run starts (atomically)
   steps.f64      step records: raw little-endian float64 rows, `meta.json["columns"]` wide
   events.jsonl   one JSON object per line: segments, counter and replica checks, live findings, hangs, errors
-  scalars.jsonl  rank 0's extra logged scalars, one line per step
+  scalars.jsonl  rank 0's extra logged scalars, one line per step and segment (a resume replays steps)
   ranks/rank<N>.f64, ranks/rank<N>.jsonl   rows a rank wrote itself when it could not wait for a gather (a hang,
                  SIGTERM, a rank missing at finish), and why; merged with steps.f64 on reading
   summary.json / summary.txt   the end-of-run summary (atomically, at the end)

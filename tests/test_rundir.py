@@ -160,7 +160,8 @@ def test_commands_that_cannot_write_or_have_nothing_to_show_exit_2_in_one_line(t
     ):
         capsys.readouterr()
         assert main(argv) == 2, argv
-        assert len(capsys.readouterr().err.strip().splitlines()) == 1, argv
+        out, err = capsys.readouterr()
+        assert len(err.strip().splitlines()) == 1 and out == "", argv  # no report before the error
 
 
 @pytest.mark.parametrize(

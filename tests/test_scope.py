@@ -551,6 +551,7 @@ def test_tensors_and_numpy_numbers_are_logged_as_numbers_one_line_per_step(tmp_p
     assert np.isfinite(load_run(tmp_path).arrays.loss).all()
     lines = [json.loads(line) for line in (tmp_path / "scalars.jsonl").read_text().splitlines()]
     assert [line["step"] for line in lines] == list(range(1, 11))
+    assert all(line["segment"] == 0 for line in lines)
     assert all(isinstance(line["grad_norm"], float) and line["lr"] == 0.01 for line in lines)
     assert [line["tokens"] for line in lines] == [8.0 * s for s in range(1, 11)]  # as logged, not as now
     assert lines[-1]["phase"] == "warm" and lines[-1]["n"] == 9.0 and lines[-1]["per_layer"] == 2.0
