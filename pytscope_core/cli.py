@@ -36,11 +36,12 @@ def _severity(text: str) -> Any:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _why(exc: OSError) -> str:
-    """An output path's error in a few words (making its folders, a file in the way is 'File exists')."""
+def _cannot_write(what: str, exc: OSError) -> UsageError:
+    """The one-line error for an output path (`what`: "pytscope trace: cannot write X"); a file in the way of
+    a folder to make reads 'File exists' from the OS, said plainly here."""
     if isinstance(exc, FileExistsError | NotADirectoryError):
-        return "a file is in the way where a folder is needed"
-    return str(exc.strerror or exc)
+        return UsageError(f"{what}: a file is in the way where a folder is needed")
+    return UsageError(f"{what}: {exc.strerror or exc}")
 
 
 def _console() -> Any:
@@ -58,11 +59,13 @@ def cmd_report(args: argparse.Namespace) -> int:
     except RunDirError as exc:
         raise UsageError(str(exc)) from None
     summary = summarize(run.arrays, run.context, extra_findings=tuple(run.extra_findings))
-    if getattr(args, "plots", None):  # a folder that cannot be made fails before the report is printed
+    plots = getattr(args, "plots", None)
+    cannot_write_plots = f"pytscope report: cannot write plots into {plots}"
+    if plots:  # a folder that cannot be made fails before the report is printed
         try:
-            Path(args.plots).mkdir(parents=True, exist_ok=True)
+            Path(plots).mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            raise UsageError(f"pytscope report: cannot write plots into {args.plots}: {_why(exc)}") from None
+            raise _cannot_write(cannot_write_plots, exc) from None
     data = summary.to_dict()
     if run.problems:
         data.setdefault("scope", {})["read_problems"] = run.problems
@@ -75,15 +78,13 @@ def cmd_report(args: argparse.Namespace) -> int:
         console.print(render_summary(summary))
         for problem in run.problems:
             console.print(f"[yellow]note:[/] {problem}")
-        if getattr(args, "plots", None):
+        if plots:
             from .plots import write_report_plots
 
             try:
-                written = write_report_plots(run, args.plots)
+                written = write_report_plots(run, plots)
             except OSError as exc:
-                raise UsageError(
-                    f"pytscope report: cannot write plots into {args.plots}: {_why(exc)}"
-                ) from None
+                raise _cannot_write(cannot_write_plots, exc) from None
             for path in written:
                 console.print(f"wrote {path}")
     if args.fail_on is not None and any(f.severity >= args.fail_on for f in summary.findings):
@@ -167,7 +168,7 @@ def cmd_scaling(args: argparse.Namespace) -> int:
         try:
             path = write_scaling_plot(result, args.plot)
         except OSError as exc:
-            raise UsageError(f"pytscope scaling: cannot write {args.plot}: {_why(exc)}") from None
+            raise _cannot_write(f"pytscope scaling: cannot write {args.plot}", exc) from None
         print(f"wrote {path}", file=sys.stderr if args.json else sys.stdout)
     return EXIT_OK
 
@@ -185,7 +186,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
     try:
         info = write_chrome_trace(run.arrays, args.output, summary.findings, args.max_steps, str(run.path))
     except OSError as exc:
-        raise UsageError(f"pytscope trace: cannot write {args.output}: {_why(exc)}") from None
+        raise _cannot_write(f"pytscope trace: cannot write {args.output}", exc) from None
     kept = (
         f"all {info.steps_total} steps"
         if info.steps_written == info.steps_total

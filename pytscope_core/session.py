@@ -230,9 +230,8 @@ class RunSession:
 
             # What rank 0 learnt since the last gather (e.g. FLOPs counted in warm-up) goes with the rows.
             learnt = scope.flops.take_learnt() if scope.flops.learnt else None
-            gathers, step, scalars = scope.coordinator.gathers, scope.step_label(), scope.scalars.take()
-            for line in scalars:  # a resumed run replays steps: the segment tells the copies apart
-                line["segment"] = scope.segment
+            gathers, step = scope.coordinator.gathers, scope.step_label()
+            scalars = scope.scalars.take(scope.segment)
             self.ingest.submit(Gathered(ex.headers, ex.rows, gathers, step, final, scalars, learnt))
             # The latest diagnosis's metrics, on this (the training) thread: this gather's when it was
             # diagnosed in place (one process), else an earlier one's, done on the ingest thread since.

@@ -67,10 +67,11 @@ class ScalarLog:
         else:
             self._lines.append({"step": step, **values})
 
-    def take(self) -> list[dict[str, Any]]:
-        """The lines since the last call, every value a plain number (`scalar_lines`)."""
+    def take(self, segment: int) -> list[dict[str, Any]]:
+        """The lines since the last call, every value a plain number (`scalar_lines`), each marked with the run
+        `segment` it was logged in (a resumed run replays steps: the segment tells the copies apart)."""
         lines, self._lines = self._lines, []
-        return scalar_lines(lines)
+        return [{**line, "segment": segment} for line in scalar_lines(lines)]
 
 
 def scalar_lines(lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
