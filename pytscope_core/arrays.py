@@ -7,6 +7,7 @@ earlier one is kept apart as *replayed* work, which goodput charges as lost time
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +50,24 @@ class RunArrays:
     def local_ms(self) -> np.ndarray:
         """A rank's own work in a step: its wall time less the time it was blocked in gradient communication."""
         return self.wall_ms - self.comm_ms
+
+    def select_steps(self, keep: np.ndarray) -> RunArrays:
+        """The steps where `keep` (S,) is True, over the ranks that recorded any of them; the replayed rows of
+        the segments those steps belong to."""
+        keep = np.asarray(keep, dtype=bool)
+        recorded = np.isfinite(self.wall_ms[keep]).any(axis=0)
+        segments = np.unique(self.segment[keep][np.isfinite(self.segment[keep])])
+        ranks = self.ranks[recorded]
+        out: dict[str, np.ndarray] = {"ranks": ranks}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name == "replayed":
+                out[f.name] = value[
+                    np.isin(value[:, COL["segment"]], segments) & np.isin(value[:, COL["rank"]], ranks)
+                ]
+            elif f.name != "ranks":
+                out[f.name] = value[keep][:, recorded] if value.ndim > 1 else value[keep]
+        return RunArrays(**out)
 
     @classmethod
     def from_rows(cls, rows: np.ndarray, warmup: int = 5) -> RunArrays:

@@ -13,10 +13,11 @@ SyncBatchNorm, or per-rank randomness.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import pickle
 import tempfile
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -173,7 +174,7 @@ def check_equivalence(
                 "importable module (lambdas and local functions cannot be)"
             ) from None
 
-    with torch.random.fork_rng(devices=[]):  # leave the caller's random state as it was
+    with torch.random.fork_rng(devices=[]), _reference_errors():  # the caller's random state is left as it was
         torch.manual_seed(seed)
         model = model_factory()
         initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -217,6 +218,21 @@ def check_equivalence(
     if not result.passed:
         raise EquivalenceError(result)
     return result
+
+
+@contextlib.contextmanager
+def _reference_errors() -> Iterator[None]:
+    """What the user's code raises in this process (the model, the loss, the optimizer on the full batch) as
+    a `WorkerError`: a broken check is not a difference between the runs."""
+    try:
+        yield
+    except (EquivalenceError, EquivalenceSetupError, WorkerError):
+        raise
+    except Exception as exc:
+        raise WorkerError(
+            f"the one-process reference run failed: {type(exc).__name__}: {exc} (loss_fn is called as "
+            "loss_fn(outputs, targets), step_fn as step_fn(model, loss_fn, inputs, targets))"
+        ) from exc
 
 
 def compare_to_reference(

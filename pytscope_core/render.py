@@ -16,6 +16,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .analysis.convergence import TREND_MIN_STEPS
+from .analysis.efficiency import SegmentSpan
 from .analysis.timing import few_steps_note
 from .findings import Finding, Severity
 from .summary import Summary
@@ -74,7 +75,7 @@ def render_run(summary: Summary) -> RenderableType:
     r = summary.run
     g = summary.efficiency.goodput
     table = Table.grid(padding=(0, 2))
-    table.add_row("world size", str(r.world_size))
+    table.add_row("world size", _world_sizes(r.world_size, g.segments))
     table.add_row(
         "steps", f"{r.steps}" + (f" ({r.first_step}-{r.last_step})" if r.first_step is not None else "")
     )
@@ -94,6 +95,15 @@ def render_run(summary: Summary) -> RenderableType:
     if r.device:
         table.add_row("device", r.device)
     return Group(_section("Run summary"), table)
+
+
+def _world_sizes(world_size: int, segments: Sequence[SegmentSpan]) -> str:
+    """ "4", or for a job resumed on other numbers of ranks each launch's: "4 (steps 1-50), then 2 (41-90)"."""
+    ran = [s for s in segments if s.steps > 0]
+    if len({s.world_size for s in ran}) < 2:
+        return str(world_size)
+    launches = [f"{s.world_size} (steps {s.first_step}-{s.last_step})" for s in ran]
+    return ", then ".join(launches)
 
 
 def render_timing(summary: Summary) -> RenderableType:
@@ -147,6 +157,8 @@ def render_convergence(summary: Summary) -> RenderableType:
 
 def render_distributed(summary: Summary) -> RenderableType:
     d = summary.distributed
+    if summary.run.world_size < 2:
+        return Group(_section("Distributed"), Text("one rank: nothing to compare"))
     if not d.comm_measured:
         return Group(_section("Distributed"), Text(d.note or "communication not measured"))
     head = Text(
@@ -183,7 +195,12 @@ def render_distributed(summary: Summary) -> RenderableType:
         _section("Distributed"),
         head,
         table,
-        Text("* median over the counted steps"),
+        Text(
+            "* median over the counted steps"
+            if d.steps_counted >= summary.timing.steps_counted
+            else f"* median over the {d.steps_counted} counted steps all {len(d.per_rank)} ranks ran "
+            f"(of {summary.timing.steps_counted}); the shares above are of those steps' wall time"
+        ),
     ]
     if omitted:
         parts.append(Text(f"... {omitted} ranks omitted (showing the slowest 8 and fastest 4 by local work)"))

@@ -258,7 +258,7 @@ def load_run(path: str | os.PathLike[str], warmup: int | None = None) -> Run:
     events, bad_lines = _read_or_note(lambda: read_events(root), "events.jsonl", problems, no_events)
     for e in events:  # settings learnt during the run (e.g. measured FLOPs) arrive as "meta" events
         if e.get("type") == "meta" and isinstance(e.get("fields"), dict):
-            meta.update(e["fields"])
+            meta.update(_with_earlier_places(meta, e["fields"]))
     if bad_lines:
         problems.append(f"{bad_lines} unreadable line(s) in events.jsonl skipped")
     for key, value in _bad_settings(meta):
@@ -282,6 +282,17 @@ def load_run(path: str | os.PathLike[str], warmup: int | None = None) -> Run:
     # An integration re-checks at every launch (e.g. uneven shards): keep each finding's latest word once.
     extra = list({f.key: f for f in extra}.values())
     return Run(root, meta, arrays, context, live, extra, problems)
+
+
+def _with_earlier_places(meta: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
+    """`fields` of a launch's meta event, its `hosts` and `local_ranks` extended by the earlier launches' for
+    the ranks it did not have: a job resumed on fewer ranks still says where the others ran."""
+    out = dict(fields)
+    for key in ("hosts", "local_ranks"):
+        new, old = fields.get(key), meta.get(key)
+        if isinstance(new, list) and isinstance(old, list) and len(old) > len(new):
+            out[key] = new + old[len(new) :]
+    return out
 
 
 def _read_or_note(read: Callable[[], T], name: str, problems: list[str], empty: T) -> T:

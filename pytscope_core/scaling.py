@@ -14,8 +14,9 @@ difference there is a warning.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -52,6 +53,14 @@ class ScalingPoint:
     seconds_to_target: float | None = None
     worker_seconds_to_target: float | None = None
     step_at_target: int | None = None
+    segments: tuple[int, ...] = ()  # the segments this point covers, when its run ran on several sizes
+
+    @property
+    def label(self) -> str:
+        run = Path(self.run).name or self.run
+        if not self.segments:
+            return run
+        return f"{run} (segment{'s' if len(self.segments) > 1 else ''} {', '.join(map(str, self.segments))})"
 
 
 @dataclass(frozen=True)
@@ -68,6 +77,7 @@ class Scaling:
         for p in self.points:
             d: dict[str, Any] = {
                 "run": p.run,
+                "segments": list(p.segments) or None,
                 "world_size": p.world_size,
                 "steps_counted": p.steps_counted,
                 "median_step_ms": p.median_step_ms,
@@ -126,10 +136,35 @@ def time_to_target(run: Run, target_loss: float) -> tuple[float | None, int | No
     return float(np.nansum(wall)) / 1e3, int(a.steps[i])
 
 
+def by_world_size(run: Run) -> list[Run]:
+    """`run` as one run per number of ranks it ran on: a job resumed on other numbers of ranks (an elastic
+    restart) is a measurement at each size, and mixing them would credit one size with the other's speed."""
+    sizes = {s.index: s.world_size for s in run.context.segments}
+    if len(set(sizes.values())) < 2:
+        return [run]
+    segment = run.arrays.segment
+    with np.errstate(invalid="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # a step no rank recorded
+        step_segment = np.nanmax(segment, axis=1) if segment.size else np.empty(0)
+    step_world = np.array([sizes.get(int(x), 0) if math.isfinite(x) else 0 for x in step_segment], dtype=int)
+    pieces = []
+    for w in sorted(set(step_world[step_world > 0].tolist())):
+        context = replace(
+            run.context, world_size=w, segments=tuple(s for s in run.context.segments if s.world_size == w)
+        )
+        pieces.append(replace(run, arrays=run.arrays.select_steps(step_world == w), context=context))
+    return pieces
+
+
 def scaling_points(runs: Sequence[Run], target_loss: float | None = None, weak: bool = False) -> Scaling:
-    """One point per run, sorted by world size; `weak` states that the per-rank batch is held on purpose."""
+    """One point per run and number of ranks it ran on (`by_world_size`), sorted by world size; `weak` states
+    that the per-rank batch is held on purpose."""
     if not runs:
         raise ValueError("scaling needs at least one run")
+    split = [(run, by_world_size(run)) for run in runs]
+    runs = [piece for _, pieces in split for piece in pieces]
+    # The segments of a point that is part of a run (empty for a whole run).
+    parts = [tuple(s.index for s in p.context.segments) if len(ps) > 1 else () for _, ps in split for p in ps]
     summaries: list[Summary] = [
         summarize(r.arrays, r.context, extra_findings=tuple(r.extra_findings)) for r in runs
     ]
@@ -140,24 +175,29 @@ def scaling_points(runs: Sequence[Run], target_loss: float | None = None, weak: 
     throughputs = [(w[2] if use_samples else w[1]) / w[0] if w[0] > 0 else math.nan for w in work]
     worlds = [max(summaries[i].run.world_size, 1) for i in order]
     base_w, base_t = worlds[0], throughputs[0]
-    warnings: list[str] = []
+    notes: list[str] = [
+        f"{run.path} ran on {' and then '.join(str(s.world_size) for s in run.context.segments)} ranks (one "
+        "segment each): a point for each number of ranks"
+        for run, pieces in split
+        if len(pieces) > 1
+    ]
     if base_w != 1:
-        warnings.append(
+        notes.append(
             f"no 1-worker run: speedup and efficiency are relative to the {base_w}-worker run "
             f"(efficiency = T_W / ((W / {base_w}) x T_{base_w}))"
         )
     if len(set(worlds)) < len(worlds):
-        warnings.append(
+        notes.append(
             "several runs share a worker count; the first one (by path) is the base for its count"
         )
     if not use_samples:
         missing = [str(runs[i].path) for i, w in zip(order, work, strict=True) if not math.isfinite(w[2])]
-        warnings.append(
+        notes.append(
             f"batch size not recorded in {', '.join(missing)}: throughput is in steps/s, which assumes every "
             "run does the same work per step; the global-batch contract cannot be checked"
         )
     else:
-        warnings.extend(_batch_contract(worlds, [w[3] for w in work], weak))
+        notes.extend(_batch_contract(worlds, [w[3] for w in work], weak))
 
     points = []
     for k, i in enumerate(order):
@@ -172,6 +212,7 @@ def scaling_points(runs: Sequence[Run], target_loss: float | None = None, weak: 
         points.append(
             ScalingPoint(
                 run=str(runs[i].path),
+                segments=parts[i],
                 world_size=w,
                 steps_counted=s.timing.steps_counted,
                 median_step_ms=s.timing.median_ms,
@@ -192,12 +233,12 @@ def scaling_points(runs: Sequence[Run], target_loss: float | None = None, weak: 
     blind = [
         (str(runs[i].path), summaries[i].run.comm_note) for i in order if not summaries[i].run.comm_measured
     ]
-    warnings.extend(f"{path}: {note} (its comm and wait: n/a)" for path, note in blind)
+    notes.extend(f"{path}: {note} (its comm and wait: n/a)" for path, note in blind)
     if target_loss is not None:
         never = [p.run for p in points if p.seconds_to_target is None]
         if never:
-            warnings.append(f"never reached loss {target_loss:g}: {', '.join(never)}")
-    return Scaling(tuple(points), unit, base_w, base_w == 1, target_loss, tuple(warnings))
+            notes.append(f"never reached loss {target_loss:g}: {', '.join(never)}")
+    return Scaling(tuple(points), unit, base_w, base_w == 1, target_loss, tuple(notes))
 
 
 def _batch_contract(worlds: list[int], per_rank: list[float | None], weak: bool) -> list[str]:
@@ -230,6 +271,7 @@ def render_scaling(s: Scaling) -> RenderableType:
     headers = ["workers", s.unit, "speedup", "effic.", "step ms", "compute", "comm", "wait", "data"]
     if s.target_loss is not None:
         headers += ["to target s", "worker-s"]
+    headers.append("run")
     rows = []
     for p in s.points:
         compute = p.phase_shares.get("forward", math.nan) + p.phase_shares.get("backward", math.nan)
@@ -246,11 +288,14 @@ def render_scaling(s: Scaling) -> RenderableType:
         ]
         if s.target_loss is not None:
             row += [_fmt(p.seconds_to_target, ".1f"), _fmt(p.worker_seconds_to_target, ".1f")]
-        rows.append(row)
+        rows.append([*row, p.label])
     # Numbers never shrink below their width (an ellipsis would hide them); narrow terminals wrap headers instead.
     table = Table(box=None, pad_edge=False, padding=(0, 0, 0, 1))
     for i, name in enumerate(headers):
-        table.add_column(name, justify="right", min_width=max((len(r[i]) for r in rows), default=1))
+        if name == "run":  # a run's name may wrap; the numbers may not
+            table.add_column(name, justify="left")
+        else:
+            table.add_column(name, justify="right", min_width=max((len(r[i]) for r in rows), default=1))
     for row in rows:
         table.add_row(*row)
     base = (

@@ -70,3 +70,27 @@ def write_run(
         writer.event("finding", step=s, source="integration", finding=f.to_dict())
     writer.close()
     return path
+
+
+def write_launches(path: Path, launches: list[tuple[int, int, float]], batch: float = 16.0, warmup: int = 0) -> Path:
+    """A job launched several times on different numbers of ranks: `launches` is (ranks, steps, step ms) per
+    launch, each resuming where the last one ended; every launch writes its segment and its ranks' hosts."""
+    writer = RunWriter(path, {"world_size": launches[0][0], "warmup": warmup, "interval": 50, "device": "cpu"})
+    first, t0 = 1, T0
+    for index, (ranks, steps, step_ms) in enumerate(launches):
+        writer.event("segment", index=index, started_s=t0, resumed_from_step=first - 1, world_size=ranks)
+        writer.event("meta", fields={"hosts": [f"h{index}"] * ranks, "local_ranks": list(range(ranks))})
+        rows = np.zeros((steps, ranks, NCOLS))
+        rows[:, :, COL["rank"]] = np.arange(ranks)[None, :]
+        rows[:, :, COL["segment"]] = index
+        rows[:, :, COL["step"]] = np.arange(first, first + steps)[:, None]
+        rows[:, :, COL["start_s"]] = (t0 + np.arange(steps) * step_ms / 1e3)[:, None]
+        rows[:, :, COL["wall_ms"]] = step_ms
+        rows[:, :, COL["forward_ms"]] = rows[:, :, COL["backward_ms"]] = step_ms / 2
+        rows[:, :, COL["samples"]] = batch
+        rows[:, :, COL["loss"]] = 1.0
+        rows[:, :, COL["grad_syncs"]] = rows[:, :, COL["micro_batches"]] = 1.0
+        writer.append_rows(rows.reshape(-1, NCOLS))
+        first, t0 = first + steps, t0 + steps * step_ms / 1e3 + 5.0
+    writer.close()
+    return path

@@ -352,6 +352,29 @@ def test_a_rank_left_out_of_a_smaller_resumed_job_is_not_called_killed():
     assert ends == [{"rank": 1, "last_step": 50, "reason": "the job resumed from step 40 with 1 rank(s)"}]
 
 
+def test_a_job_resumed_on_other_ranks_is_not_a_desync_but_a_skipped_step_still_is():
+    # 4 ranks, resumed on 2 from step 40, then on 4 again from step 80: ranks 2 and 3 are missing from the
+    # middle launch, not diverged. A rank that skips a step inside its own launch still is.
+    rows = np.vstack(
+        [
+            _rows(0, range(1, 51), 1000.0, ranks=4),
+            _rows(1, range(41, 91), 1010.0, ranks=2),
+            _rows(2, range(81, 121), 1020.0, ranks=4),
+        ]
+    )
+    segments = (Segment(0, 1000.0, 0, 4), Segment(1, 1010.0, 40, 2), Segment(2, 1020.0, 80, 4))
+    ctx4 = RunContext(world_size=4, segments=segments)
+    assert not [f for f in diagnose(RunArrays.from_rows(rows, warmup=0), ctx4) if f.code == "DIST.DESYNC"]
+    grown = np.vstack([_rows(0, range(1, 41), 1000.0, ranks=1), _rows(1, range(41, 101), 1010.0, ranks=2)])
+    ctx = RunContext(world_size=2, segments=(Segment(0, 1000.0, 0, 1), Segment(1, 1010.0, 40, 2)))
+    assert not [f for f in diagnose(RunArrays.from_rows(grown, warmup=0), ctx) if f.code == "DIST.DESYNC"]
+    skipped = (rows[:, COL["segment"]] == 2) & (rows[:, COL["rank"]] == 3) & (rows[:, COL["step"]] == 100)
+    (desync,) = [
+        f for f in diagnose(RunArrays.from_rows(rows[~skipped], warmup=0), ctx4) if f.code == "DIST.DESYNC"
+    ]
+    assert desync.steps == (100,) and desync.ranks == (3,)
+
+
 def test_a_pause_on_rank_0_and_the_wait_for_it_count_once_in_goodput():
     # Rank 0 evaluates for 1 s inside `paused()` after step 10; rank 1 waits for it in step 11's all-reduce.
     rows = _rows(0, range(1, 101), 1000.0)

@@ -258,6 +258,11 @@ def test_cli_fails_a_world_size_scaled_loss():
         (("mlp", "mse", "not_a_pair"), "batch must be a pair (inputs, targets)"),
         (("mlp", "mse", "regression_batch", "--world-size", "3"), "does not split evenly over 3 workers"),
         pytest.param(
+            ("mlp", "loss_of_model_and_batch", "regression_batch"),
+            "the one-process reference run failed: ",
+            marks=pytest.mark.multiproc,
+        ),
+        pytest.param(
             ("fails_on_rank_1", "mse", "regression_batch"),
             "rank 1 failed: RuntimeError: rank 1 cannot do this",
             marks=pytest.mark.multiproc,

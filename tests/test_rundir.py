@@ -242,3 +242,14 @@ def test_a_folder_named_like_a_rank_file_leaves_the_other_rank_files_read(tmp_pa
     (tmp_path / "ranks" / "rank3.jsonl").mkdir()
     run = load_run(tmp_path)
     assert run.problems == [] and run.arrays.n_steps == 61
+
+
+def test_a_job_resumed_on_other_ranks_says_so_and_keeps_where_each_rank_ran(tmp_path, capsys):
+    from runfactory import write_launches
+
+    run = write_launches(tmp_path / "r", [(2, 60, 10.0), (1, 60, 10.0)])
+    assert load_run(run).meta["hosts"] == ["h1", "h0"]  # rank 1 ran on h0 in the first launch only
+    assert main(["report", str(run)]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "world size 2 (steps 1-60), then 1 (steps 61-120)" in out
+    assert "median over the 60 counted steps all 2 ranks ran (of 120)" in out

@@ -172,3 +172,20 @@ def test_a_run_whose_communication_is_not_measured_says_so(tmp_path, capsys):
     assert main(["scaling", *map(str, runs), "--json"]) == 0
     point = json.loads(capsys.readouterr().out)["points"][1]
     assert point["comm_share"] is None and point["phases"]["comm"] is None
+
+
+def test_a_job_resumed_on_fewer_ranks_is_a_point_at_each_size(tmp_path, capsys):
+    # 2 ranks x 16 samples in 10 ms, then 1 rank x 16 samples in 8 ms: 3,200 and 2,000 samples/s. One point at
+    # 2 workers would credit 2 workers with the blend of both.
+    from runfactory import write_launches
+
+    run = write_launches(tmp_path / "elastic", [(2, 100, 10.0), (1, 100, 8.0)])
+    s = scaling_points([load_run(run)])
+    assert [(p.world_size, p.segments) for p in s.points] == [(1, (1,)), (2, (0,))]
+    assert [p.throughput for p in s.points] == pytest.approx([2000.0, 3200.0])
+    assert s.points[1].efficiency == pytest.approx(3200.0 / (2 * 2000.0))
+    assert any("ran on 2 and then 1 ranks" in w for w in s.warnings)
+    assert main(["scaling", str(run), "--json"]) == 0
+    assert [p["segments"] for p in json.loads(capsys.readouterr().out)["points"]] == [[1], [0]]
+    assert main(["scaling", str(run)]) == 0
+    assert "elastic (segment 0)" in " ".join(capsys.readouterr().out.split())

@@ -15,6 +15,7 @@ and the result says why, instead of declaring the job balanced.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -238,10 +239,10 @@ def sync_divergence(arrays: RunArrays) -> SyncDivergence | None:
         differs = np.isfinite(g) & np.isfinite(g[:, :1]) & (g != g[:, :1])
         present = np.isfinite(g)
         # A rank missing a step another rank recorded also breaks the count (NaN vs a number), unless the
-        # rank's records simply end there (a hang or a kill before the gather): missing is not diverged.
-        last = present.shape[0] - 1 - present[::-1].argmax(axis=0)
-        ended = np.arange(present.shape[0])[:, None] > last[None, :]
-        partial = present.any(axis=1) & ~(present | ended).all(axis=1)
+        # step lies outside that rank's records in the step's segment: a rank whose records end (a hang or a
+        # kill before the gather), or that was not part of a resumed launch (a job resumed on fewer or more
+        # ranks), is missing, not diverged.
+        partial = present.any(axis=1) & ~(present | _outside_own_records(present, arrays.segment)).all(axis=1)
     bad_steps = np.flatnonzero(differs.any(axis=1) | partial)
     if bad_steps.size == 0:
         return None
@@ -260,6 +261,23 @@ def sync_divergence(arrays: RunArrays) -> SyncDivergence | None:
         counts=tuple(float(row[j]) for j in off),
         majority=majority,
     )
+
+
+def _outside_own_records(present: np.ndarray, segment: np.ndarray) -> np.ndarray:
+    """(S, R) bool: the step is before a rank's first or after its last record in the step's segment."""
+    with np.errstate(invalid="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # a step no rank recorded: its segment is NaN
+        step_segment = np.nanmax(segment, axis=1)
+    outside = np.ones(present.shape, dtype=bool)
+    index = np.arange(present.shape[0])[:, None]
+    for value in np.unique(step_segment[np.isfinite(step_segment)]):
+        rows = step_segment == value
+        mine = present & rows[:, None]
+        ever = mine.any(axis=0)
+        first = np.where(ever, mine.argmax(axis=0), present.shape[0])
+        last = np.where(ever, present.shape[0] - 1 - mine[::-1].argmax(axis=0), -1)
+        outside[rows] = ((index < first) | (index > last))[rows]
+    return outside
 
 
 def _empty(arrays: RunArrays, ranks: list[int]) -> DistributedTiming:
