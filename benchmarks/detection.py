@@ -26,6 +26,12 @@ counts as a misnamed detection. Healthy runs (no slowdown, 50 seeds per size) ar
 tau 5, 15, 40) or flat at 2.0, Gaussian noise sd 5%; how often a spike is called before step 50 in the clean
 curve, and how often one x2.5 step placed in steps 20-49 is found.
 
+**Plateaus**: 1,000 curves per noise level (sd 1% and 5%) of 600 counted steps that fall (0.5 + 3.0
+exp(-t/25)) until step 150 and stay flat after; how often "stopped improving" is said, and how far from step
+150 it places the start. And 1,000 curves per noise level that still fall slowly to the end, a power law
+(2.0 + 3.0 t^-0.3, as language models fall) and an exponential (0.3 + 2.0 exp(-t/300)) over 1,000 steps:
+a plateau said there is false.
+
 **Real gloo runs**: 2 spawned processes train a small DDP MLP under `Scope`; rank 1 busy-waits every step
 for the slowdown x its own plain step time (measured before training, same on both ranks); the run
 directory is then diagnosed on growing prefixes like the simulations.
@@ -39,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -208,6 +215,28 @@ def early_spikes(curves: int, tau: float | None) -> tuple[int, int]:
     return false, found
 
 
+def plateaus(curves: int, noise: float) -> tuple[int, float, int]:
+    """(fell-then-flat curves with a plateau found, median |found start - 150| in steps, still-falling curves
+    (power law and slow exponential, `curves` each) with a plateau said)."""
+    from pytscope_core.analysis.convergence import plateau_start
+
+    rng = np.random.default_rng([99, int(noise * 1000)])
+    t = np.arange(600)
+    fell = np.where(t < 150, 0.5 + 3.0 * np.exp(-t / 25), 0.5 + 3.0 * np.exp(-150 / 25))
+    found, errors = 0, []
+    for _ in range(curves):
+        p = plateau_start(fell * (1 + noise * rng.standard_normal(t.size)))
+        if p is not None:
+            found += 1
+            errors.append(abs(p[0] - 150))
+    t = np.arange(1, 1001)
+    false = 0
+    for level in (2.0 + 3.0 * t**-0.3, 0.3 + 2.0 * np.exp(-t / 300)):
+        for _ in range(curves):
+            false += plateau_start(level * (1 + noise * rng.standard_normal(t.size))) is not None
+    return found, float(np.median(errors)) if errors else math.nan, false
+
+
 # -- real 2-rank gloo runs --------------------------------------------------------------------------------------
 
 
@@ -338,6 +367,12 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"  {shape:>11}: spike found {100 * found / curves:5.1f}%; a spike called where there is none "
             f"(steps < 50) {100 * false_early / curves:.1f}%"
+        )
+    for noise in (0.01, 0.05):
+        found, error, false_plateau = plateaus(curves, noise)
+        print(
+            f"  plateaus, {100 * noise:.0f}% noise: fell then flat from step 150, said {100 * found / curves:.1f}% "
+            f"(start off by a median {error:.0f} steps); still falling, said {false_plateau}/{2 * curves}"
         )
     print(f"  (simulations took {time.perf_counter() - t0:.1f} s)")
 

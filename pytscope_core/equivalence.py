@@ -174,7 +174,8 @@ def check_equivalence(
                 "importable module (lambdas and local functions cannot be)"
             ) from None
 
-    with torch.random.fork_rng(devices=[]), _reference_errors():  # the caller's random state is left as it was
+    # The caller's random state is left as it was; the user's code failing here is not a difference.
+    with torch.random.fork_rng(devices=[]), _reference_errors():
         torch.manual_seed(seed)
         model = model_factory()
         initial = {k: v.detach().clone() for k, v in model.state_dict().items()}

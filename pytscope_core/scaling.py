@@ -187,9 +187,7 @@ def scaling_points(runs: Sequence[Run], target_loss: float | None = None, weak: 
             f"(efficiency = T_W / ((W / {base_w}) x T_{base_w}))"
         )
     if len(set(worlds)) < len(worlds):
-        notes.append(
-            "several runs share a worker count; the first one (by path) is the base for its count"
-        )
+        notes.append("several runs share a worker count; the first one (by path) is the base for its count")
     if not use_samples:
         missing = [str(runs[i].path) for i, w in zip(order, work, strict=True) if not math.isfinite(w[2])]
         notes.append(

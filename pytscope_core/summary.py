@@ -145,6 +145,13 @@ class Summary:
                 "nonfinite_step": c.nonfinite_step,
                 "nonfinite_ranks": list(c.nonfinite_ranks),
                 "spikes": [{"step": s.step, "loss": s.loss, "baseline": s.baseline} for s in c.spikes],
+                "plateau": {
+                    "step": c.plateau.step,
+                    "steps": c.plateau.steps,
+                    "relative_change": c.plateau.relative_change,
+                }
+                if c.plateau is not None
+                else None,
             },
             "efficiency": {
                 "budget": [

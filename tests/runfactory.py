@@ -72,10 +72,14 @@ def write_run(
     return path
 
 
-def write_launches(path: Path, launches: list[tuple[int, int, float]], batch: float = 16.0, warmup: int = 0) -> Path:
+def write_launches(
+    path: Path, launches: list[tuple[int, int, float]], batch: float = 16.0, warmup: int = 0
+) -> Path:
     """A job launched several times on different numbers of ranks: `launches` is (ranks, steps, step ms) per
     launch, each resuming where the last one ended; every launch writes its segment and its ranks' hosts."""
-    writer = RunWriter(path, {"world_size": launches[0][0], "warmup": warmup, "interval": 50, "device": "cpu"})
+    writer = RunWriter(
+        path, {"world_size": launches[0][0], "warmup": warmup, "interval": 50, "device": "cpu"}
+    )
     first, t0 = 1, T0
     for index, (ranks, steps, step_ms) in enumerate(launches):
         writer.event("segment", index=index, started_s=t0, resumed_from_step=first - 1, world_size=ranks)

@@ -7,8 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from pytscope_core.analysis import analyze, diagnose
-from pytscope_core.analysis.convergence import find_spikes, loss_trend
+from pytscope_core.analysis import analyze, diagnose, run_rules
+from pytscope_core.analysis.convergence import find_spikes, loss_trend, plateau_start
 from pytscope_core.arrays import RunArrays
 from pytscope_core.context import CountsCheck, ReplicaCheck, RunContext, Segment
 from pytscope_core.findings import Severity
@@ -153,6 +153,31 @@ def test_flat_loss_gives_no_progress_and_short_runs_unknown():
     short = make_run(60, 2, loss=np.ones(60))
     assert analyze(short, RunContext(world_size=2)).convergence.trend.trend == "unknown"
     assert "CONVERGENCE.NO_PROGRESS" not in codes(diagnose(short, RunContext(world_size=2)))
+
+
+def test_a_loss_that_fell_then_went_flat_is_said_to_have_stopped_improving():
+    # Falls over the first 100 steps, flat (1% noise) for the 300 after: the run as a whole is "improving",
+    # but it has learnt nothing since about step 100.
+    t = np.arange(400)
+    level = np.where(t < 100, 0.5 + 3.0 * np.exp(-t / 25), 0.5 + 3.0 * np.exp(-4))
+    loss = level * (1 + 0.01 * np.random.default_rng(5).standard_normal(t.size))
+    a = analyze(make_run(400, 2, loss=loss), RunContext(world_size=2))
+    assert a.convergence.trend.trend == "improving"
+    assert a.convergence.plateau is not None and 95 <= a.convergence.plateau.step <= 140
+    (found,) = [f for f in run_rules(a) if f.code == "CONVERGENCE.NO_PROGRESS"]
+    assert found.severity == Severity.MED and found.steps == (a.convergence.plateau.step,)
+    assert "stopped improving around step" in found.title
+
+
+@pytest.mark.parametrize("noise", [0.01, 0.05])
+def test_a_loss_still_falling_slowly_is_not_a_plateau(noise):
+    # A power-law descent (as language models fall) and a slow exponential: still learning, nothing to say.
+    t = np.arange(1, 1001)
+    rng = np.random.default_rng(6)
+    for level in (2.0 + 3.0 * t**-0.3, 0.3 + 2.0 * np.exp(-t / 300)):
+        for _ in range(20):
+            assert plateau_start(level * (1 + noise * rng.standard_normal(t.size))) is None
+    assert plateau_start(np.full(500, 2.0)) is None  # flat from the start: "flat", not a plateau after a fall
 
 
 def test_infinite_loss_is_nonfinite_and_breaks_nothing():

@@ -30,6 +30,16 @@ TREND_T_CRIT = 3.9
 TREND_MIN_RELATIVE_CHANGE = 0.05
 """A change under 5% of the starting level is "flat" whatever its significance."""
 
+PLATEAU_MIN_SHARE = 1 / 3
+"""A plateau after a fall is a tail of at least a third of the counted steps (and TREND_MIN_STEPS)..."""
+PLATEAU_MAX_DECREASE = 0.01
+"""...over which the loss fell by less than 1% of its level, with confidence: the tail's first-to-last change
+plus PLATEAU_Z standard errors. A tail too noisy to show that is not called a plateau: a slow fall stays
+"improving" (a power-law descent at 1% noise falls about 2% over its last third)."""
+PLATEAU_Z = 2.0
+PLATEAU_STARTS = 24
+"""Where a plateau may begin: every 1/24 of the counted steps; the earliest start whose tail is flat wins."""
+
 SPIKE_WINDOW = 50
 """Trailing steps that define the local loss level for spike detection."""
 SPIKE_MIN_HISTORY = 20
@@ -67,6 +77,7 @@ class Convergence:
     nonfinite_ranks: tuple[int, ...]
     spikes: tuple[Spike, ...]
     sparkline_values: tuple[float, ...]  # block means for a small chart (at most 40), NaN-free
+    plateau: Plateau | None = None  # where an improving loss stopped improving (`plateau_start`)
 
 
 def loss_per_step(arrays: RunArrays) -> np.ndarray:
@@ -90,12 +101,7 @@ def loss_trend(loss: np.ndarray) -> LossTrend:
     x = loss[np.isfinite(loss)]
     if x.size < TREND_MIN_STEPS:
         return LossTrend("unknown", math.nan, math.nan, int(x.size))
-    means = stats.block_means(x, TREND_BLOCKS)
-    first = float(means[:TREND_EDGE_BLOCKS].mean())
-    last = float(means[-TREND_EDGE_BLOCKS:].mean())
-    sd = stats.trimmed_von_neumann_sd(means)
-    se = sd * math.sqrt(2.0 / TREND_EDGE_BLOCKS)
-    diff = last - first
+    diff, se, first = _edge_change(x)
     t = diff / se if se > 0 else (0.0 if diff == 0 else math.copysign(math.inf, diff))
     rel = diff / abs(first) if first != 0 else (0.0 if diff == 0 else math.copysign(math.inf, diff))
     if t <= -TREND_T_CRIT and rel <= -TREND_MIN_RELATIVE_CHANGE:
@@ -105,6 +111,40 @@ def loss_trend(loss: np.ndarray) -> LossTrend:
     else:
         trend = "flat"
     return LossTrend(trend, float(t), float(rel), int(x.size))
+
+
+def _edge_change(x: np.ndarray) -> tuple[float, float, float]:
+    """(last quarter's block mean - first quarter's, its standard error, the first quarter's mean)."""
+    means = stats.block_means(x, TREND_BLOCKS)
+    first = float(means[:TREND_EDGE_BLOCKS].mean())
+    se = stats.trimmed_von_neumann_sd(means) * math.sqrt(2.0 / TREND_EDGE_BLOCKS)
+    return float(means[-TREND_EDGE_BLOCKS:].mean()) - first, se, first
+
+
+@dataclass(frozen=True)
+class Plateau:
+    """Where an improving loss stopped improving, and how little it changed from there on."""
+
+    step: int
+    steps: int  # finite counted steps from there to the end
+    relative_change: float  # last quarter of the tail against its first quarter
+
+
+def plateau_start(loss: np.ndarray) -> tuple[int, float] | None:
+    """(index into the finite values of `loss`, relative change from there) where an improving loss stopped
+    improving: the earliest start of a tail (at least PLATEAU_MIN_SHARE of the values) that fell by less than
+    PLATEAU_MAX_DECREASE of its level, with confidence; None when the loss never improved or still does."""
+    x = loss[np.isfinite(loss)]
+    if loss_trend(x).trend != "improving":
+        return None
+    shortest = max(TREND_MIN_STEPS, math.ceil(PLATEAU_MIN_SHARE * x.size))
+    for start in np.linspace(0, x.size, PLATEAU_STARTS + 1).round().astype(int):
+        if x.size - start < shortest:
+            break
+        change, se, level = _edge_change(x[start:])
+        if math.isfinite(se) and -change + PLATEAU_Z * se < PLATEAU_MAX_DECREASE * abs(level):
+            return int(start), change / abs(level) if level else math.nan
+    return None
 
 
 def find_spikes(loss: np.ndarray, steps: np.ndarray) -> tuple[Spike, ...]:
@@ -180,6 +220,12 @@ def convergence(
     counted = per_step[sel]
     finite = per_step[np.isfinite(per_step)]
     step, ranks = seen if seen is not None else first_nonfinite(arrays)
+    flat_from = plateau_start(counted)
+    plateau = None
+    if flat_from is not None:
+        counted_steps = arrays.steps[sel][np.isfinite(counted)]
+        start, change = flat_from
+        plateau = Plateau(int(counted_steps[start]), int(counted_steps.size - start), change)
     spark = finite
     if finite.size > 40:
         spark = stats.block_means(finite, 40)
@@ -191,4 +237,5 @@ def convergence(
         nonfinite_ranks=ranks,
         spikes=find_spikes(counted, arrays.steps[sel]),
         sparkline_values=tuple(float(v) for v in spark),
+        plateau=plateau,
     )

@@ -577,6 +577,27 @@ def no_progress(a: RunAnalysis) -> list[Finding]:
     """A "flat" (MED) or "worsening" (HIGH) trend; the floors (t >= 3.9 one-sided, >= 5% change, >= 100
     finite steps) live in convergence.py."""
     t = a.convergence.trend
+    plateau = a.convergence.plateau
+    if t.trend == "improving" and plateau is not None:
+        return [
+            Finding(
+                code="CONVERGENCE.NO_PROGRESS",
+                severity=Severity.MED,
+                title=f"The loss stopped improving around step {plateau.step}",
+                detail=(
+                    f"It fell {_pct(-t.relative_change)} from the first quarter of the counted steps to the last, "
+                    f"but from step {plateau.step} on ({plateau.steps} counted steps) it changed by "
+                    f"{100 * plateau.relative_change:+.1f}%: a decrease of less than 1%, with confidence."
+                ),
+                recommendation=(
+                    "If the model has converged, stop (or save compute with early stopping); if it should still "
+                    "learn, lower the learning rate (a decay schedule or ReduceLROnPlateau) or check that the "
+                    "schedule did not already reach zero."
+                ),
+                steps=(plateau.step,),
+                evidence={"plateau_step": plateau.step, "relative_change": plateau.relative_change},
+            )
+        ]
     if t.trend not in ("flat", "worsening"):
         return []
     worse = t.trend == "worsening"
