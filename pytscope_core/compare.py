@@ -234,8 +234,8 @@ def render_comparison(c: Comparison) -> RenderableType:
 
     parts: list[RenderableType] = [
         Text("Comparison", style="bold underline"),
-        Text(f"A: {c.name_a}  ({c.world_size_a} ranks, {c.steps_a} counted steps)"),
-        Text(f"B: {c.name_b}  ({c.world_size_b} ranks, {c.steps_b} counted steps)"),
+        Text(f"A: {c.name_a}  ({_ranks(c.world_size_a)}, {c.steps_a} counted steps)"),
+        Text(f"B: {c.name_b}  ({_ranks(c.world_size_b)}, {c.steps_b} counted steps)"),
     ]
     blind = {label: note for label, note in (("A", c.comm_note_a), ("B", c.comm_note_b)) if note}
     parts.extend(Text(f"{label}: {note}", style="yellow") for label, note in blind.items())
@@ -315,3 +315,7 @@ def render_comparison(c: Comparison) -> RenderableType:
     if not (c.appeared or c.disappeared or c.unchanged):
         parts.append(Text("No findings in either run."))
     return Group(*parts)
+
+
+def _ranks(n: int) -> str:
+    return f"{n} rank{'s' if n != 1 else ''}"

@@ -30,7 +30,8 @@ _WHY_BLIND = {
     "hooks, which pytscope does not time; use FSDP2 (fully_shard)",
     DEEPSPEED: "DeepSpeed's engine communicates inside its own backward and step, which pytscope does not time",
     TENSOR_PARALLEL: "tensor-parallel (DTensor) collectives inside forward and backward are not timed",
-    NONE: "no DDP or FSDP2 wrapper was seen, so any gradient communication is not timed",
+    NONE: "no DDP or FSDP2 wrapper was seen, so any gradient communication is not timed (watch the model after "
+    "wrapping it: DistributedDataParallel(...) or fully_shard(...))",
 }
 
 

@@ -76,6 +76,23 @@ def test_straggler_wait_is_not_billed_as_communication():
     assert budget["sync wait (imbalance)"] > budget["exposed transfer"]
 
 
+@pytest.mark.parametrize("parallelism", ["ddp", "fsdp2"])
+def test_exposed_communication_advice_fits_the_wrapper_and_one_rank_has_none(parallelism):
+    # 3 ms of the 10 ms step is transfer on every rank: DIST.COMM_BOUND, with what to change in that wrapper.
+    ph = np.zeros((200, 2, 6))
+    ph[:, :, 1], ph[:, :, 2], ph[:, :, 3] = 3.0, 4.0, 3.0
+    (found,) = [
+        f
+        for f in diagnose(RunArrays.from_arrays(ph), RunContext(world_size=2, parallelism=parallelism))
+        if f.code == "DIST.COMM_BOUND"
+    ]
+    assert ("reshard_after_forward" in found.recommendation) == (parallelism == "fsdp2")
+    assert ("bucket_cap_mb" in found.recommendation) == (parallelism == "ddp")
+    one = RunArrays.from_arrays(ph[:, :1])  # one rank: FSDP2's brackets hold its own copies, no collective
+    found = diagnose(one, RunContext(world_size=1, parallelism=parallelism))
+    assert "DIST.COMM_BOUND" not in codes(found)
+
+
 @pytest.mark.parametrize("ranks", [4, 64])
 def test_healthy_runs_have_no_high_or_med_finding(ranks):
     for seed in range(50):

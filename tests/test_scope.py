@@ -591,6 +591,7 @@ def test_a_batch_fed_to_two_watched_models_counts_its_samples_once(tmp_path):
     scope = Scope(tmp_path, console=False, hang_timeout=None, interval=5)
     scope.watch(student, opt, loader)
     scope.watch(teacher)
+    scope.watch(student, opt, loader)  # watched again: nothing is counted twice
     for xb, yb in loader:
         loss = (student(xb) - teacher(xb)).pow(2).mean() + (student(xb) - yb).pow(2).mean()
         loss.backward()

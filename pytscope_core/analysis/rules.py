@@ -277,24 +277,47 @@ def comm_bound(a: RunAnalysis) -> list[Finding]:
     typical_share = d.transfer_ms / a.timing.median_ms if a.timing.median_ms > 0 else 0.0
     if not (min(d.transfer_share, typical_share) >= COMM_MIN_SHARE and d.transfer_ms >= COMM_MIN_MS):
         return []
+    if a.world_size < 2:  # nothing to communicate with (FSDP2's brackets on one rank hold its copies)
+        return []
+    sharded = (a.ctx.parallelism or "").startswith("fsdp2")
+    where = (
+        "in FSDP's parameter all-gathers and gradient reduce-scatters"
+        if sharded
+        else "in gradient communication after its backward finished"
+    )
     return [
         Finding(
             code="DIST.COMM_BOUND",
             severity=Severity.HIGH if d.transfer_share >= COMM_HIGH_SHARE else Severity.MED,
-            title="Gradient communication is a large, exposed share of the step",
+            title=(
+                "FSDP's all-gathers and reduce-scatters are a large, exposed share of the step"
+                if sharded
+                else "Gradient communication is a large, exposed share of the step"
+            ),
             detail=(
-                f"Even the least-blocked rank waits in gradient communication after its backward finished: "
-                f"{d.transfer_ms:.2f} ms in the median step, {_pct(d.transfer_share)} of all wall time (an "
-                f"estimate of transfer, excluding waits for slower ranks)."
+                f"Even the least-blocked rank waits {where}: {d.transfer_ms:.2f} ms in the median step, "
+                f"{_pct(d.transfer_share)} of all wall time (an estimate of transfer, excluding waits for "
+                "slower ranks)."
             ),
-            recommendation=(
-                "Overlap more of the all-reduce with backward (smaller bucket_cap_mb, no find_unused_parameters),"
-                " accumulate gradients over more micro-batches per sync, or compress gradients (bf16 hook); "
-                "check the interconnect bandwidth first."
-            ),
+            recommendation=_FSDP2_COMM_ADVICE if sharded else _DDP_COMM_ADVICE,
             evidence={"transfer_ms": d.transfer_ms, "transfer_share": d.transfer_share},
         )
     ]
+
+
+_DDP_COMM_ADVICE = (
+    "Overlap more of the all-reduce with backward (smaller bucket_cap_mb, no find_unused_parameters), "
+    "accumulate gradients over more micro-batches per sync, or compress gradients (bf16 hook); check the "
+    "interconnect bandwidth first."
+)
+_FSDP2_COMM_ADVICE = (
+    "Fewer, larger sharded units (fully_shard per block, not per layer); prefetch more units "
+    "(set_modules_to_forward_prefetch / set_modules_to_backward_prefetch); keep parameters gathered after "
+    "forward where memory allows (reshard_after_forward=False, at least on the last blocks); bf16 parameters "
+    "and reductions (MixedPrecisionPolicy); across nodes, shard within a node and replicate across (HSDP); "
+    "accumulate over more micro-batches per reduce-scatter (set_requires_gradient_sync). Check the "
+    "interconnect bandwidth first."
+)
 
 
 @rule("DIST.DESYNC")
@@ -762,6 +785,10 @@ def _advice(line: str, a: RunAnalysis) -> str:
     slow = [r for r in d.per_rank if r.straggler and r.extra_phase == "other"]
     if line == "other" and len(d.stragglers) == 1 and slow:
         return f"the extra work in `other` on rank {slow[0].rank}, the straggler (see DIST.STRAGGLER)"
+    if line == "exposed transfer" and (a.ctx.parallelism or "").startswith("fsdp2"):
+        if a.world_size < 2:
+            return "fewer sharded units, or no fully_shard on one rank (its brackets hold FSDP's own copies)"
+        return "more prefetch, fewer and larger sharded units, or reshard_after_forward=False (see DIST.COMM_BOUND)"
     return _ADVICE[line]
 
 
