@@ -72,12 +72,15 @@ def cmd_report(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(data, indent=1, allow_nan=False))
     else:
+        from rich.markup import escape
+        from rich.text import Text
+
         from .render import render_summary
 
         console = _console()
         console.print(render_summary(summary))
         for problem in run.problems:
-            console.print(f"[yellow]note:[/] {problem}")
+            console.print(f"[yellow]note:[/] {escape(problem)}")
         if plots:
             from .plots import write_report_plots
 
@@ -86,13 +89,15 @@ def cmd_report(args: argparse.Namespace) -> int:
             except OSError as exc:
                 raise _cannot_write(cannot_write_plots, exc) from None
             for path in written:
-                console.print(f"wrote {path}")
+                console.print(Text(f"wrote {path}"))
     if args.fail_on is not None and any(f.severity >= args.fail_on for f in summary.findings):
         return EXIT_FINDINGS
     return EXIT_OK
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    from rich.markup import escape
+
     from .demo import run_demo
 
     if args.ranks < 1:
@@ -113,7 +118,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         console.print(
             render_summary(summarize(run.arrays, run.context, extra_findings=tuple(run.extra_findings)))
         )
-    console.print(f"\nre-read it any time: [bold]pytscope report {path}[/]")
+    console.print(f"\nre-read it any time: [bold]pytscope report {escape(str(path))}[/]")
     return EXIT_OK
 
 

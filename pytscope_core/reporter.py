@@ -24,6 +24,7 @@ class RunReporter:
 
     def __init__(self, run_dir: Path, meta: dict[str, Any], console: bool) -> None:
         from rich.console import Console
+        from rich.markup import escape
 
         self.run_dir = run_dir
         self.meta = meta
@@ -31,7 +32,7 @@ class RunReporter:
         self.console: Any = Console(stderr=False) if console else None
         note = comm_note(meta.get("parallelism"), meta.get("comm_measured") is not False)
         if self.console is not None and note is not None:  # once, when the run starts
-            self.console.print(f"[bold]pytscope[/]: {note}", markup=True, highlight=False)
+            self.console.print(f"[bold]pytscope[/]: {escape(note)}", markup=True, highlight=False)
 
     def segment(self, **fields: Any) -> None:
         self.writer.event("segment", **fields)
@@ -71,6 +72,7 @@ class RunReporter:
     def summary(self) -> Any:
         """Re-read the whole run (every segment and every rank's file) and write and print its summary."""
         from rich.console import Console
+        from rich.markup import escape
 
         from .render import render_summary
         from .rundir import load_run
@@ -84,7 +86,8 @@ class RunReporter:
             self.writer.write_summary(summary.to_dict(), text.export_text())
         if self.console is not None:
             self.console.print(render_summary(summary))
-            self.console.print(f"[dim]run directory: {self.run_dir}  (pytscope report {self.run_dir})[/]")
+            where = escape(str(self.run_dir))
+            self.console.print(f"[dim]run directory: {where}  (pytscope report {where})[/]")
         return summary
 
     def close(self) -> None:

@@ -295,7 +295,7 @@ def render_scaling(s: Scaling) -> RenderableType:
         else:
             table.add_column(name, justify="right", min_width=max((len(r[i]) for r in rows), default=1))
     for row in rows:
-        table.add_row(*row)
+        table.add_row(*row[:-1], Text(row[-1]))  # a run's name is not markup
     base = (
         "the 1-worker run"
         if s.base_is_single_worker

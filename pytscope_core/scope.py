@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -78,7 +79,7 @@ class Scope:
         self._clock = clock
         self._started = False
         self._finished = False
-        self._atexit_registered = False
+        self._at_exit: Callable[[], Any] | None = None  # ends the run at interpreter exit if nothing else did
         self.scalars = ScalarLog()  # rank 0's extra scalars, written at the next gather
         self.hooks.flop_estimate = self.flops.estimate
         self.hooks.first_forward = self.flops.note_forward
@@ -138,9 +139,9 @@ class Scope:
                 self.hooks.loader_watched = True
         except Exception as exc:
             self.fail(exc)
-        if not self._atexit_registered:
-            atexit.register(self.finish)  # the summary still appears if the user forgets finish()
-            self._atexit_registered = True
+        if self._at_exit is None:  # the summary still appears if the user forgets finish()
+            self._at_exit = functools.partial(_end_at_exit, self)
+            atexit.register(self._at_exit)
         return self
 
     def note_parallelism(self, model: Any) -> None:
@@ -284,8 +285,8 @@ class Scope:
         if self._finished:
             return self.summary
         self._finished = True
-        if self._atexit_registered:
-            atexit.unregister(self.finish)
+        if self._at_exit is not None:
+            atexit.unregister(self._at_exit)
         try:
             self.recorder.close()
             if self.enabled and self.recorder.window and not self._started:
@@ -328,6 +329,23 @@ class Scope:
 
     def say(self, message: str) -> None:
         print(f"pytscope[rank {self.rank}]: {message}", file=sys.stderr, flush=True)
+
+
+def raised(exc: BaseException) -> str:
+    """How a rank's end by an exception reads in the run: "raised RuntimeError: the first line of its text"."""
+    text = str(exc).strip().splitlines()
+    return f"raised {type(exc).__name__}" + (f": {text[0][:160]}" if text else "")
+
+
+def _end_at_exit(scope: Scope) -> None:
+    """The interpreter is exiting and the run was not ended. After an unhandled exception the other ranks are
+    blocked in the step this process left and will not come to a final gather: this rank only stops (its
+    records go to its own file, with the exception). Otherwise the user forgot `finish()`: finish."""
+    error = getattr(sys, "last_value", None)  # set by the interpreter for the exception that ends it
+    if error is not None:
+        scope.stop(f"the process {raised(error)}")
+    else:
+        scope.finish()
 
 
 def _cuda_device_of(model: Any) -> Any:

@@ -28,7 +28,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("pytscope_lightning needs Lightning: pip install 'pytscope[lightning]'") from exc
 
 from pytscope_core.options import ScopeOptions
-from pytscope_core.scope import Scope
+from pytscope_core.scope import Scope, raised
 from pytscope_core.shards import uneven_shards_finding
 
 
@@ -130,7 +130,7 @@ class ScopeCallback(Callback):
         # The other ranks may be gone: end without meeting them, and never leave a watchdog behind.
         if self.scope is not None:
             _unhook_trainer(trainer)
-            self.scope.stop(f"the fit raised {type(exception).__name__}")
+            self.scope.stop(f"the fit {raised(exception)}")
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._stage = None

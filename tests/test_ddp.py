@@ -1,12 +1,19 @@
 """Real 2-rank gloo DDP jobs through the torch-level Scope; assertions read the run directory afterwards."""
 
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import ddp_worker
 import numpy as np
 import pytest
 import torch.multiprocessing as mp
 
+from pytscope_core.cli import main
+from pytscope_core.coordinator import FINISH_WAIT_S
+from pytscope_core.demo import free_port
 from pytscope_core.records import PHASES
 from pytscope_core.rundir import load_run
 from pytscope_core.summary import summarize
@@ -194,3 +201,31 @@ def test_ranks_training_on_the_same_batches_are_named(tmp_path):
     found = [f for f in s["findings"] if f["code"] == "DATA.DUPLICATE_SHARDS"]
     assert found and found[0]["ranks"] == [0, 1] and found[0]["severity"] == "HIGH", s["findings"]
     assert s["data"]["duplicated_share"] == 0.5
+
+
+def test_an_exception_on_one_rank_ends_the_job_at_once_and_the_report_names_it(tmp_path):
+    # Rank 1 raises at step 30 and never calls finish(): at interpreter exit it must not wait for a final
+    # gather the blocked peer will never join (30 s), nor be taken for a hang; the report quotes the error.
+    cmd = [
+        *(sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--max_restarts", "0"),
+        *(
+            "--master_port",
+            str(free_port()),
+            str(Path(__file__).parent / "scripts" / "node_job.py"),
+            "--run-dir",
+            str(tmp_path / "run"),
+        ),
+        *("--out", str(tmp_path), "--raise-at", "30", "--interval", "10"),
+    ]
+    t0 = time.monotonic()
+    done = subprocess.run(
+        cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=120
+    )
+    took = time.monotonic() - t0
+    assert done.returncode != 0 and "exitcode  : 86" not in done.stderr + done.stdout
+    assert took < FINISH_WAIT_S, f"{took:.0f} s: the crashed rank waited for the final gather"
+    assert main(["report", str(tmp_path / "run")]) == 0  # no traceback on the error's brackets
+    s = report(tmp_path / "run")
+    ends = {e["rank"]: e for e in s["run"]["rank_ends"]}
+    assert "raised RuntimeError: injected failure [rank 1, step 30]" in ends[1]["reason"]
+    assert ends[1]["last_step"] == 29 and "DIST.HANG" not in {f["code"] for f in s["findings"]}

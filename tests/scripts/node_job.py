@@ -3,7 +3,8 @@
 Each launcher gives its workers a host name through `PYTSCOPE_HOST`; `--slow-host` makes that host's ranks
 (or, with `--slow-local-rank`, one of them) busy-wait `--spin-ms` per step. Steps are compute-light, so four
 processes share two cores without the injected slowdown drowning in scheduling noise. Every rank writes the
-payload bytes of its gathers (sent, received) to `--out/traffic-rank<N>.json`.
+payload bytes of its gathers (sent, received) to `--out/traffic-rank<N>.json`. `--raise-at STEP` makes rank 1
+raise at that step, never calling `finish()`: the end a crash leaves to the interpreter's exit.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ def main() -> None:
     p.add_argument("--slow-host", default=None)
     p.add_argument("--slow-local-rank", type=int, default=None)
     p.add_argument("--spin-ms", type=float, default=4.0)
+    p.add_argument("--raise-at", type=int, default=None)
     args = p.parse_args()
 
     torch.set_num_threads(1)
@@ -50,7 +52,9 @@ def main() -> None:
     slow = os.environ.get("PYTSCOPE_HOST") == args.slow_host and args.slow_local_rank in (None, local_rank)
     gen = torch.Generator().manual_seed(rank)
     teacher = torch.randn(32, 4, generator=torch.Generator().manual_seed(0))
-    for _ in range(args.steps):
+    for step in range(1, args.steps + 1):
+        if rank == 1 and step == args.raise_at:
+            raise RuntimeError(f"injected failure [rank {rank}, step {step}]")  # brackets: not rich markup
         x = torch.randn(64, 32, generator=gen)
         if slow:
             spin(args.spin_ms)
