@@ -56,6 +56,7 @@ class RunSession:
         self._watchdog: Any = None
         self._flushed = False  # this rank's own rows are written at most once...
         self._flushing = threading.Lock()  # ...by one caller at a time (a signal may arrive during a flush)
+        self._in_flight: np.ndarray | None = None  # rows handed to a gather that has not returned (a peer hung)
         self._sigterm = SigtermChain(self._on_sigterm)
         self._sigterm.install()
         if scope.options.hang_timeout is not None:
@@ -201,6 +202,8 @@ class RunSession:
 
             rec = scope.recorder
             rows = rec.pending_rows(self.rank, scope.segment, self._epoch_offset)
+            if self._in_flight is not None:  # drained for a gather the main thread is still blocked in
+                rows = np.concatenate([self._in_flight, rows])
             last = rec.current_label() if rec.steps_done else None
             append_rank_rows(self.run_dir, self.rank, rows, reason, at_step=last)
             self._flushed = True
@@ -216,8 +219,10 @@ class RunSession:
         counters = (float(rec.steps_done), float(rec.grad_syncs), float(rec.micro_batches), self._checksum())
         if self._watchdog is not None:
             self._watchdog.status = "gather"
+        self._in_flight = rows
         try:
             ex = scope.coordinator.exchange(counters, rows)
+            self._in_flight = None
         finally:
             if self._watchdog is not None:
                 self._watchdog.status = "finished" if final else ""

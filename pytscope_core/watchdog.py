@@ -114,9 +114,10 @@ def classify_hang(
     if waiting and missing:
         syncs = max(int(beats[r]["syncs"]) for r in waiting) + 1
         step = max(_label(beats[r]) for r in waiting)
+        which = allreduce if allreduce == GATHER else f"the {_ordinal(syncs)} {allreduce.removeprefix('the ')}"
         title = (
             f"rank{'s' if len(missing) > 1 else ''} {format_ranks(missing)}{_on_hosts(missing, place)} never "
-            f"reached {allreduce.removeprefix('the ')} #{syncs}"
+            f"reached {which}"
         )
         detail = (
             f"At step {step}, rank{'s' if len(waiting) > 1 else ''} {format_ranks(waiting)} "
@@ -191,12 +192,25 @@ def _on_hosts(ranks: list[int], place: Placement) -> str:
     return f" on host {hosts.pop()}" if len(hosts) == 1 and None not in hosts else ""
 
 
+GATHER = "pytscope's gather of step records (between steps)"
+
+
 def _waited_in(beats: dict[int, dict[str, Any]], waiting: list[int]) -> str:
-    """The collective the waiting ranks are in: DDP's gradient all-reduce, or FSDP's collectives (inside
-    forward and backward, so "in backward" would be wrong)."""
-    if any(beats[r]["phase"] == "collective" for r in waiting):
+    """The collective the waiting ranks are in: DDP's gradient all-reduce, FSDP's collectives (inside
+    forward and backward, so "in backward" would be wrong), or, when every one of them is there, the scope's
+    own gather of records at a step boundary."""
+    phases = {beats[r]["phase"] for r in waiting}
+    if "collective" in phases:
         return "the FSDP all-gather or reduce-scatter of gradient sync"
+    if phases == {"gather"}:
+        return GATHER
     return "the gradient all-reduce"
+
+
+def _ordinal(n: int) -> str:
+    """1st, 2nd, 3rd, 4th ... 11th, 12th, 13th, 21st: a count, so that it is not read as a step number."""
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
 
 
 def _where(beat: dict[str, Any] | None) -> str:

@@ -87,6 +87,8 @@ def _main(rank: int, world: int, port: int, o: dict[str, Any]) -> None:
         opt.step()
         opt.zero_grad()
         scope.log(loss=loss)
+        if slow and step == o.get("block_after"):  # after its optimizer step: the others reach the gather
+            spin(3600e3)
     if rank == 0 and o.get("late_finish_ms"):  # e.g. a final evaluation on rank 0 only
         spin(o["late_finish_ms"])
     scope.finish()

@@ -90,6 +90,19 @@ def test_blocked_rank_is_reported_as_hang_and_the_job_ends_fast(tmp_path):
     assert "spin" in (tmp_path / "stacks" / "rank1.txt").read_text()  # where the missing rank is stuck
 
 
+def test_a_rank_that_hangs_after_the_last_step_before_a_gather_loses_no_records(tmp_path):
+    # Rank 1 stops after step 20's optimizer step; rank 0 goes on into the gather due after step 20 and
+    # blocks there. The rows it had handed to that gather are still written, and the hang says where it is.
+    with pytest.raises(mp.ProcessExitedException) as info:
+        ddp_worker.run(2, dict(run_dir=str(tmp_path), steps=60, block_after=20, hang_timeout=5.0))
+    assert info.value.exit_code == HANG_EXIT_CODE
+    arrays = load_run(tmp_path).arrays
+    assert [int(arrays.steps[np.isfinite(arrays.wall_ms[:, i])].max()) for i in range(2)] == [20, 20]
+    s = report(tmp_path)
+    (hang,) = [f for f in s["findings"] if f["code"] == "DIST.HANG"]
+    assert hang["ranks"] == [1] and "gather of step records" in hang["title"], hang
+
+
 def test_a_hang_during_warm_up_is_found_with_the_default_timeout(tmp_path):
     # hang_timeout="auto" has no step times to scale from in the first steps; a rank missing from the first
     # all-reduces is still named (the 5-minute warm-up rule, shortened here).

@@ -110,6 +110,15 @@ def test_during_warm_up_only_ranks_left_waiting_in_a_collective_are_a_hang():
     assert classify_hang({0: _beat("forward"), 1: _beat("forward")}, 2, 300.0) is not None
 
 
+def test_a_hang_says_which_collective_the_waiting_ranks_are_in():
+    # Waiting in the all-reduce: the count of all-reduces is an ordinal, not a number that reads as a step.
+    f = classify_hang({0: {**_beat("comm"), "syncs": 29}, 1: _beat("forward")}, 2, 10.0)
+    assert f is not None and f.title == "rank 1 never reached the 30th gradient all-reduce"
+    # Waiting in pytscope's own gather between steps (the peer hung after its backward): not "in backward".
+    f = classify_hang({0: _beat("gather"), 1: _beat("optimizer")}, 2, 10.0)
+    assert f is not None and "gather of step records" in f.title and "backward" not in f.detail
+
+
 def _watch(tmp_path, monkeypatch, rec, peer, timeout_s, warmup_timeout_s=None) -> tuple[list, Watchdog]:
     """Rank 0 of 2 with recorder `rec`, rank 1 publishing heartbeat `peer`; returns what was reported and
     the (running) watchdog."""
