@@ -84,7 +84,9 @@ def render_run(summary: Summary) -> RenderableType:
         table.add_row("parallelism", Text(r.parallelism + (f": {r.comm_note}" if r.comm_note else "")))
     for end in r.rank_ends:
         where = f"end at step {end.last_step}" if end.last_step is not None else "have no record"
-        table.add_row(f"rank {end.rank}", Text(f"records {where}: {end.reason}"))  # the reason may quote an error
+        table.add_row(
+            f"rank {end.rank}", Text(f"records {where}: {end.reason}")
+        )  # the reason may quote an error
     table.add_row("elapsed", _num(g.elapsed_s, ".1f", " s"))
     goodput = "n/a" if not math.isfinite(g.goodput) else f"{100 * g.goodput:.1f}%"
     table.add_row(

@@ -114,7 +114,9 @@ def classify_hang(
     if waiting and missing:
         syncs = max(int(beats[r]["syncs"]) for r in waiting) + 1
         step = max(_label(beats[r]) for r in waiting)
-        which = allreduce if allreduce == GATHER else f"the {_ordinal(syncs)} {allreduce.removeprefix('the ')}"
+        which = (
+            allreduce if allreduce == GATHER else f"the {_ordinal(syncs)} {allreduce.removeprefix('the ')}"
+        )
         title = (
             f"rank{'s' if len(missing) > 1 else ''} {format_ranks(missing)}{_on_hosts(missing, place)} never "
             f"reached {which}"
