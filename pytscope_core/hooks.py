@@ -77,7 +77,6 @@ class TorchHooks:
         self.first_forward: Callable[[], None] | None = None  # called once, inside the first training forward
         self._warn = warn  # says what limits the measurement, once, without disabling anything
         self._forward_checked = False  # at the first optimizer step: was the training forward seen?
-        self._models: list[Any] = []  # watched already: watching one twice would count its forwards twice
 
     @property
     def active(self) -> bool:
@@ -100,9 +99,6 @@ class TorchHooks:
         place (`model.compile()`) has its compiled call wrapped, outside what torch.compile traces."""
         import torch
 
-        if any(m is model for m in self._models):
-            return
-        self._models.append(model)
         self.is_ddp = isinstance(uncompiled(model), torch.nn.parallel.DistributedDataParallel)
         self.watch_backward(model)
         if self.sharded is not None and self.sharded.is_unit(model) and not compiled_in_place(model):

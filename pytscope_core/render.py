@@ -167,7 +167,7 @@ def render_distributed(summary: Summary) -> RenderableType:
         return Group(_section("Distributed"), Text(d.note or "communication not measured"))
     head = Text(
         f"transfer {_num(d.transfer_ms)} ms in the median step, {100 * d.transfer_share:.1f}% of all wall time; sync wait "
-        f"{100 * d.sync_wait_share:.1f}%, lost to imbalance {100 * d.lost_to_imbalance:.1f}% "
+        f"{100 * d.sync_wait_share:.1f}%, persistent stragglers cost {100 * d.lost_to_imbalance:.1f}% "
         "(transfer/wait split is an estimate)"
     )
     rows = list(d.per_rank)

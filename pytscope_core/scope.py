@@ -79,6 +79,7 @@ class Scope:
         self._clock = clock
         self._started = False
         self._finished = False
+        self._models: list[Any] = []  # the models watched
         self._at_exit: Callable[[], Any] | None = None  # ends the run at interpreter exit if nothing else did
         self.scalars = ScalarLog()  # rank 0's extra scalars, written at the next gather
         self.hooks.flop_estimate = self.flops.estimate
@@ -121,7 +122,8 @@ class Scope:
         `scope.hooks` (`data_begin`, `data_end`, `forward_begin`, `forward_done`, `optimizer_begin`); after an
         internal error those marks record nothing."""
         try:
-            if model is not None:
+            if model is not None and all(m is not model for m in self._models):  # twice would count twice
+                self._models.append(model)
                 device = _cuda_device_of(model) if self._clock is None else None
                 if device is not None:
                     self.use_cuda_clock(device)

@@ -108,6 +108,17 @@ class Summary:
                     else {"share": None, "median_ms": None, "measured": False}
                     for p in self.timing.phases
                 },
+                "stalls": [
+                    {
+                        "step": x.step,
+                        "wall_ms": x.wall_ms,
+                        "rank": x.rank,
+                        "phase": x.phase,
+                        "phase_ms": x.phase_ms,
+                    }
+                    for x in self.timing.stalls
+                ],
+                "stall_share": self.timing.stall_share,
             },
             "distributed": {
                 "per_rank": [

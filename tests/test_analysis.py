@@ -93,6 +93,30 @@ def test_exposed_communication_advice_fits_the_wrapper_and_one_rank_has_none(par
     assert "DIST.COMM_BOUND" not in codes(found)
 
 
+def test_a_step_stalled_on_one_rank_is_named_with_its_rank_and_phase():
+    # A 20 s checkpoint left out of paused() on rank 0 at step 40 of 120 ten-millisecond steps: rank 0's
+    # `other` holds it, rank 1 waits in its all-reduce. Jitter statistics barely move (one step of 120).
+    ph = np.zeros((120, 2, 6))
+    ph[:, :, 1], ph[:, :, 2], ph[:, :, 3] = 4.0, 5.0, 1.0
+    ph[39, 0, 5] = 20_000.0
+    ph[39, 1, 3] += 20_000.0
+    a = analyze(RunArrays.from_arrays(ph), RunContext(world_size=2))
+    (found,) = [f for f in run_rules(a) if f.code == "TIMING.STALL"]
+    assert found.severity == Severity.MED and found.ranks == (0,) and found.steps == (40,)
+    assert "rank 0 spent 20.00 s in `other` while the other ranks waited" in found.detail
+    assert "scope.paused()" in found.recommendation
+    recoverable = next(f for f in run_rules(a) if f.code == "EFFICIENCY.RECOVERABLE")
+    assert "TIMING.STALL" in recoverable.recommendation and "balance" not in recoverable.recommendation
+    # A 100 ms garbage collection in one 1 ms step of 2,000 is not a stall worth a finding (0.1% of wall)...
+    ph = np.ones((2000, 2, 6)) / 6
+    ph[1000, :, 5] += 100.0
+    a = analyze(RunArrays.from_arrays(ph), RunContext(world_size=2))
+    assert a.timing.stalls and "TIMING.STALL" not in codes(run_rules(a))
+    # ...and 10x the median under 100 ms is not a stall at all.
+    ph[1000, :, 5] = 9.0
+    assert analyze(RunArrays.from_arrays(ph), RunContext(world_size=2)).timing.stalls == ()
+
+
 @pytest.mark.parametrize("ranks", [4, 64])
 def test_healthy_runs_have_no_high_or_med_finding(ranks):
     for seed in range(50):

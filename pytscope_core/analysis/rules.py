@@ -688,6 +688,55 @@ def jitter(a: RunAnalysis) -> list[Finding]:
     ]
 
 
+STALL_MIN_SHARE = 0.05
+"""Stalled steps (>= 10x the median step and >= 100 ms, analysis/timing.py) cost >= 5% of wall time..."""
+STALL_MED_SHARE = 0.10
+"""...MED from 10%."""
+_STALL_ADVICE = {
+    "other": "work between the optimizer step and the next batch: checkpoint saving, evaluation or logging "
+    "to disk in the training loop. Put it inside `scope.paused()` (it is then not charged to training), and "
+    "save asynchronously where you can (torch.distributed.checkpoint.async_save)",
+    "data": "the input pipeline stopped: a loader's workers restarting (persistent_workers=True), slow or "
+    "remote storage, a shuffle buffer refilling",
+    "forward": "a recompilation (a new input shape or a guard failing under torch.compile: TORCH_LOGS="
+    "recompiles), a first use of a code path, or the host swapping",
+    "backward": "a recompilation of the backward, a first use of a code path, or memory pressure (allocator "
+    "retries: see MEMORY findings)",
+    "optimizer": "the optimizer's own periodic work (a scheduler or an optimizer that does extra work every N "
+    "steps), or a first step allocating its state",
+}
+
+
+@rule("TIMING.STALL")
+def stall(a: RunAnalysis) -> list[Finding]:
+    """A few steps took many times the median and together a real share of wall time."""
+    t = a.timing
+    if not t.stalls or t.stall_share < STALL_MIN_SHARE:
+        return []
+    worst = t.stalls[0]
+    where = f"rank {worst.rank} spent {worst.phase_ms / 1e3:.2f} s in `{worst.phase}`"
+    if worst.others_waited and a.world_size > 1:
+        where += " while the other ranks waited for it"
+    listed = ", ".join(str(s.step) for s in t.stalls)
+    return [
+        Finding(
+            code="TIMING.STALL",
+            severity=Severity.MED if t.stall_share >= STALL_MED_SHARE else Severity.LOW,
+            title=f"Step {worst.step} stalled for {worst.wall_ms / 1e3:.1f} s",
+            detail=(
+                f"Step {worst.step} took {worst.wall_ms / 1e3:.2f} s, {worst.wall_ms / t.median_ms:.0f}x the median "
+                f"step: {where}. Steps of at least 10x the median ({listed}"
+                f"{' ...' if len(t.stalls) == 5 else ''}) cost {_pct(t.stall_share)} of wall time beyond a "
+                "median step."
+            ),
+            recommendation=f"Likely {_STALL_ADVICE[worst.phase]}.",
+            ranks=(worst.rank,),
+            steps=tuple(s.step for s in t.stalls),
+            evidence={"stall_share": t.stall_share, "wall_ms": worst.wall_ms, "phase_ms": worst.phase_ms},
+        )
+    ]
+
+
 GROWTH_MIN_RELATIVE = 0.10
 """Peak memory up >= 10% from the first to the last quarter of the run..."""
 GROWTH_MIN_BYTES = 64 * 2**20
@@ -785,6 +834,10 @@ def _advice(line: str, a: RunAnalysis) -> str:
     slow = [r for r in d.per_rank if r.straggler and r.extra_phase == "other"]
     if line == "other" and len(d.stragglers) == 1 and slow:
         return f"the extra work in `other` on rank {slow[0].rank}, the straggler (see DIST.STRAGGLER)"
+    t = a.timing
+    stalled = t.stall_share >= STALL_MIN_SHARE and t.stalls
+    if stalled and (line == "sync wait (imbalance)" and not d.stragglers or line == t.stalls[0].phase):
+        return f"the stalled step{'s' if len(t.stalls) > 1 else ''} (see TIMING.STALL)"
     if line == "exposed transfer" and (a.ctx.parallelism or "").startswith("fsdp2"):
         if a.world_size < 2:
             return "fewer sharded units, or no fully_shard on one rank (its brackets hold FSDP's own copies)"
@@ -808,7 +861,7 @@ def recoverable(a: RunAnalysis) -> list[Finding]:
             title=f"{_pct(e.recoverable_share)} of wall time is recoverable",
             detail=f"Largest recoverable lines of the wall-time budget: {listed}.",
             recommendation="Start with the largest line: "
-            + "; then ".join(_advice(x.name, a) for x in lines)
+            + "; then ".join(dict.fromkeys(_advice(x.name, a) for x in lines))  # each piece of advice once
             + ".",
             evidence={x.name: x.share for x in lines},
         )

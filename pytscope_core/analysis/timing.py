@@ -8,6 +8,7 @@ phases, so they add up to exactly 1 whatever rounding the records carry.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,6 +26,26 @@ class PhaseTiming:
 
 
 @dataclass(frozen=True)
+class Stall:
+    """One step that took many times the median: who held it up, and where."""
+
+    step: int
+    wall_ms: float  # the job's wall in that step
+    rank: int  # the rank with the most own work (wall less communication) in it
+    phase: str  # that rank's phase that grew most over its own median (communication aside)
+    phase_ms: float  # that phase's time in the step
+    others_waited: bool  # the other ranks spent most of the excess waiting in communication
+
+
+STALL_FACTOR = 10.0
+"""A stalled step takes at least 10x the median step..."""
+STALL_MIN_MS = 100.0
+"""...and at least 100 ms: a 10 ms garbage collection in a 1 ms step is jitter, not a stall."""
+STALL_LISTED = 5
+"""The longest stalls described; the share counts them all."""
+
+
+@dataclass(frozen=True)
 class StepTiming:
     steps_counted: int
     median_ms: float
@@ -34,6 +55,8 @@ class StepTiming:
     jitter_cost_share: float  # wall above the median step, as a share of all wall: what instability costs
     jitter_phase: str | None = None  # the phase that grows most in the slowest 10% of steps
     jitter_phase_ms: float = 0.0  # by how much (median over slow steps - median over typical steps)
+    stalls: tuple[Stall, ...] = ()  # the longest stalled steps (`find_stalls`), longest first
+    stall_share: float = 0.0  # wall the stalled steps took beyond the median step, as a share of all wall
 
     def phase(self, name: str) -> PhaseTiming:
         return next(p for p in self.phases if p.name == name)
@@ -93,6 +116,7 @@ def step_timing(arrays: RunArrays, wall: np.ndarray, phase_ms: np.ndarray) -> St
     median = float(np.median(w)) if w.size else math.nan
     jitter = float(np.clip(w - median, 0, None).sum() / w.sum()) if w.size and w.sum() > 0 else 0.0
     grows, grows_ms = _phase_that_grows(wall[sel], phase_ms[sel])
+    stalls, stall_share = find_stalls(arrays, wall, sel, median)
     return StepTiming(
         steps_counted=int(w.size),
         median_ms=median,
@@ -102,7 +126,50 @@ def step_timing(arrays: RunArrays, wall: np.ndarray, phase_ms: np.ndarray) -> St
         jitter_cost_share=jitter,
         jitter_phase=grows,
         jitter_phase_ms=grows_ms,
+        stalls=stalls,
+        stall_share=stall_share,
     )
+
+
+def find_stalls(
+    arrays: RunArrays, wall: np.ndarray, sel: np.ndarray, median_ms: float
+) -> tuple[tuple[Stall, ...], float]:
+    """Counted steps of at least STALL_FACTOR x the median and STALL_MIN_MS (a checkpoint or an evaluation
+    left out of `paused()`, a recompilation, a storage hiccup): the longest STALL_LISTED of them, each with the
+    rank whose own work made it and that rank's phase, and what all of them cost beyond the median step, as a
+    share of the counted steps' wall."""
+    if not median_ms > 0:
+        return (), 0.0
+    counted = np.flatnonzero(sel & np.isfinite(wall))
+    slow = counted[wall[counted] >= max(STALL_FACTOR * median_ms, STALL_MIN_MS)]
+    if slow.size == 0:
+        return (), 0.0
+    share = float((wall[slow] - median_ms).sum() / wall[counted].sum())
+    own_phases = [i for i, name in enumerate(PHASES) if name != "comm"]
+    comm = PHASES.index("comm")
+    with np.errstate(invalid="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # a rank without counted records
+        typical = np.nanmedian(arrays.phases[counted], axis=0)  # (R, P) each rank's usual step
+    out = []
+    for i in slow[np.argsort(wall[slow])[::-1][:STALL_LISTED]]:
+        local = np.where(np.isfinite(arrays.local_ms[i]), arrays.local_ms[i], -np.inf)
+        r = int(np.argmax(local))
+        growth = np.nan_to_num(arrays.phases[i, r, own_phases] - typical[r, own_phases], nan=-np.inf)
+        p = own_phases[int(np.argmax(growth))]
+        others = np.delete(arrays.phases[i, :, comm], r)
+        excess = wall[i] - median_ms
+        waited = bool(others.size) and bool(np.nanmin(others) >= 0.5 * excess)
+        out.append(
+            Stall(
+                int(arrays.steps[i]),
+                float(wall[i]),
+                int(arrays.ranks[r]),
+                PHASES[p],
+                float(arrays.phases[i, r, p]),
+                waited,
+            )
+        )
+    return tuple(out), share
 
 
 def _phase_that_grows(wall: np.ndarray, phase_ms: np.ndarray) -> tuple[str | None, float]:
