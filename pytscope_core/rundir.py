@@ -14,6 +14,7 @@ A process killed at any moment loses at most the rows not yet gathered: a torn l
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import math
 import os
@@ -135,6 +136,8 @@ def read_rank_files(
     on_hang="report" that cleared: the reason did not end the rank's records)."""
     folder = path / "ranks"
     if not folder.is_dir():
+        if folder.exists():
+            raise NotADirectoryError(errno.ENOTDIR, "not a folder")
         return np.empty((0, NCOLS)), {}
     parts = [read_rows(folder, columns, name=f.name) for f in sorted(folder.glob("rank*.f64")) if f.is_file()]
     rows = np.concatenate(parts) if parts else np.empty((0, NCOLS))
@@ -266,7 +269,7 @@ def load_run(path: str | os.PathLike[str], warmup: int | None = None) -> Run:
         del meta[key]
     w = int(meta.get("warmup", 5)) if warmup is None else warmup
     arrays = RunArrays.from_rows(rows, warmup=w)
-    context = _context(meta, events, arrays, w)
+    context = _context(meta, events, arrays, w, problems)
     if rank_reasons:
         context = dataclasses.replace(context, rank_notes=tuple(sorted(rank_reasons.items())))
     live: list[Finding] = []
@@ -348,7 +351,8 @@ def sound_rows(rows: np.ndarray) -> tuple[np.ndarray, int]:
             & (key[:, 0] < 2**24)
             & (key[:, 1] >= 0)
             & (key[:, 1] < 2**24)
-            & (np.abs(key[:, 2]) < 2**48)
+            & (key[:, 2] >= 0)  # steps count from 0 or 1
+            & (key[:, 2] < 2**48)
             & np.isfinite(rows[:, COL["start_s"]])
             & (np.abs(rows[:, COL["start_s"]]) < 1e11)
             & np.isfinite(spans).all(axis=1)
@@ -360,9 +364,12 @@ def sound_rows(rows: np.ndarray) -> tuple[np.ndarray, int]:
 
 
 def _context(
-    meta: dict[str, Any], events: list[dict[str, Any]], arrays: RunArrays, warmup: int
+    meta: dict[str, Any], events: list[dict[str, Any]], arrays: RunArrays, warmup: int, problems: list[str]
 ) -> RunContext:
+    """The run's context from its settings and events; an event that cannot be read is left out, and said
+    in `problems` by kind (a damaged hang report must not vanish without a word)."""
     segments, counts, replicas, hangs, errors = [], [], [], [], []
+    unreadable: dict[str, int] = {}
     world = int(meta.get("world_size") or arrays.world_size or 1)
     for e in events:
         kind = e.get("type")
@@ -397,7 +404,8 @@ def _context(
             elif kind == "scope_error":
                 errors.append(str(e.get("message", "")))
         except (KeyError, TypeError, ValueError):
-            continue
+            unreadable[str(kind)] = unreadable.get(str(kind), 0) + 1
+    problems.extend(f"{n} {kind} event(s) could not be read" for kind, n in unreadable.items())
     return RunContext.from_meta(
         meta,
         world_size=world,

@@ -187,7 +187,8 @@ class RunSession:
     def _on_sigterm(self) -> None:
         if self.ingest is not None:  # rank 0: what the other ranks sent is written before the process ends
             self.ingest.drain(HANG_DRAIN_S)
-        self.flush_own_rows("SIGTERM")
+        where = self._watchdog.whereabouts() if self._watchdog is not None else None
+        self.flush_own_rows("SIGTERM" + (f" while {where}" if where else ""))
 
     def flush_own_rows(self, reason: str) -> None:
         """This rank's closed steps that no gather took yet, into its own file in the run directory, so the

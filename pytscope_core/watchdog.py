@@ -296,6 +296,15 @@ class Watchdog(threading.Thread):
         if self.is_alive() and threading.current_thread() is not self:
             self.join(wait_s)
 
+    def whereabouts(self) -> str | None:
+        """Where this rank was at its last heartbeat, when it had been there a second or more ("at step 30
+        in `forward` for 15 s"): what a SIGTERM interrupted. None before the first beat or while progressing."""
+        beat = dict(self._local_beat)
+        if not beat:
+            return None
+        beat["idle_s"] = float(beat["idle_s"]) + max(0.0, _wall() - float(beat["t"]))
+        return _where(beat).removeprefix("is ") if beat["idle_s"] >= 1.0 else None
+
     def period(self) -> float:
         """Seconds until the next beat (and, on rank 0, the next check): see `beat_period`."""
         try:

@@ -174,7 +174,9 @@ def test_commands_that_cannot_write_or_have_nothing_to_show_exit_2_in_one_line(t
         ("steps_gone", "steps.f64 is missing"),
         ("events_dir", "events.jsonl cannot be read"),
         ("row", "1 corrupt row(s) of step records dropped"),
-        ("event_entries", None),
+        ("event_entries", "1 hang event(s) could not be read"),
+        ("ranks_file", "ranks/ cannot be read (not a folder)"),
+        ("negative_step", "1 corrupt row(s) of step records dropped"),
     ],
 )
 def test_a_damaged_run_directory_still_reports_what_it_can(tmp_path, capsys, damage, note):
@@ -197,6 +199,12 @@ def test_a_damaged_run_directory_still_reports_what_it_can(tmp_path, capsys, dam
         (path / name).mkdir()
     elif damage == "steps_gone":
         (path / "steps.f64").unlink()
+    elif damage == "ranks_file":
+        (path / "ranks").write_text("not a folder of rank files")
+    elif damage == "negative_step":
+        rows = np.fromfile(path / "steps.f64", dtype="<f8").reshape(-1, NCOLS)
+        rows[7, COL["step"]] = -1
+        rows.tofile(path / "steps.f64")
     elif damage == "row":  # random bytes over one row in the middle
         raw = bytearray((path / "steps.f64").read_bytes())
         row = NCOLS * 8

@@ -2,6 +2,7 @@
 
 import json
 import math
+import signal
 import subprocess
 import sys
 import textwrap
@@ -395,6 +396,40 @@ def test_sigterm_leaves_the_ungathered_steps_behind_and_still_ends_the_process(t
     assert run.arrays.steps.tolist() == list(range(1, 80))
     summary = summarize(run.arrays, run.context).to_dict()
     assert summary["run"]["rank_ends"] == [{"rank": 0, "last_step": 79, "reason": "SIGTERM"}]
+
+
+def test_a_sigterm_says_where_a_stuck_rank_was(tmp_path):
+    # The launcher's SIGTERM (a job timeout) ends a rank stuck in its forward before any hang_timeout: the
+    # run says where it was and for how long.
+    (tmp_path / "job.py").write_text(
+        textwrap.dedent(f"""
+        import sys, time, torch
+        from pytscope_core import Scope
+        class Stuck(torch.nn.Linear):
+            step = 0
+            def forward(self, x):
+                if self.step == 30:
+                    print("stuck", flush=True); time.sleep(600)
+                return super().forward(x)
+        model = Stuck(4, 1); opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        scope = Scope({str(tmp_path / "run")!r}, console=False, hang_timeout=600, interval=50)
+        scope.watch(model, opt)
+        for step in range(1, 100):
+            model.step = step
+            model(torch.randn(2, 4)).sum().backward(); opt.step(); opt.zero_grad()
+    """)
+    )
+    proc = subprocess.Popen([sys.executable, str(tmp_path / "job.py")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "stuck"
+        time.sleep(3.0)  # a heartbeat (every second) sees it stuck
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == -15
+    finally:
+        proc.kill()
+    run = load_run(tmp_path / "run")
+    (end,) = summarize(run.arrays, run.context).to_dict()["run"]["rank_ends"]
+    assert end["last_step"] == 29 and end["reason"].startswith("SIGTERM while at step 30 in `forward` for ")
 
 
 def test_a_flush_cut_short_by_a_second_sigterm_is_done_by_the_next_caller(tmp_path):
