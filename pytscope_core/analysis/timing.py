@@ -147,18 +147,19 @@ def find_stalls(
     share = float((wall[slow] - median_ms).sum() / wall[counted].sum())
     own_phases = [i for i, name in enumerate(PHASES) if name != "comm"]
     comm = PHASES.index("comm")
-    with np.errstate(invalid="ignore"), warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # a rank without counted records
-        typical = np.nanmedian(arrays.phases[counted], axis=0)  # (R, P) each rank's usual step
     out = []
     for i in slow[np.argsort(wall[slow])[::-1][:STALL_LISTED]]:
-        local = np.where(np.isfinite(arrays.local_ms[i]), arrays.local_ms[i], -np.inf)
-        r = int(np.argmax(local))
-        growth = np.nan_to_num(arrays.phases[i, r, own_phases] - typical[r, own_phases], nan=-np.inf)
-        p = own_phases[int(np.argmax(growth))]
+        local = arrays.wall_ms[i] - arrays.phases[i, :, comm]  # each rank's own work in the step
+        r = int(np.argmax(np.where(np.isfinite(local), local, -np.inf)))
         others = np.delete(arrays.phases[i, :, comm], r)
-        excess = wall[i] - median_ms
-        waited = bool(others.size) and bool(np.nanmin(others) >= 0.5 * excess)
+        with np.errstate(invalid="ignore"), warnings.catch_warnings():
+            warnings.simplefilter(
+                "ignore", RuntimeWarning
+            )  # a phase without counted records, a rank without one
+            typical = np.nanmedian(arrays.phases[counted, r][:, own_phases], axis=0)  # that rank's usual step
+            waited = bool(others.size) and bool(np.nanmin(others) >= 0.5 * (wall[i] - median_ms))
+        growth = np.nan_to_num(arrays.phases[i, r, own_phases] - typical, nan=-np.inf)
+        p = own_phases[int(np.argmax(growth))]
         out.append(
             Stall(
                 int(arrays.steps[i]),
