@@ -121,6 +121,9 @@ class Scope:
         `loader`. Integrations that see the loop themselves pass `manual_data=True` and mark the loop through
         `scope.hooks` (`data_begin`, `data_end`, `forward_begin`, `forward_done`, `optimizer_begin`); after an
         internal error those marks record nothing."""
+        if self._finished:
+            self.say("watch() after finish(): this scope has ended and records nothing; make a new Scope")
+            return self
         try:
             if model is not None and all(m is not model for m in self._models):  # twice would count twice
                 self._models.append(model)

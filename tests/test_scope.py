@@ -636,3 +636,11 @@ def test_a_batch_fed_to_two_watched_models_counts_its_samples_once(tmp_path):
     arrays = load_run(tmp_path).arrays
     assert arrays.n_steps == 10 and (arrays.samples == 16).all()
     assert (arrays.micro_batches == 3).all()  # forward passes: the student's two and the teacher's
+
+
+def test_watch_after_finish_says_the_scope_has_ended_and_installs_nothing(tmp_path, capsys):
+    scope, model, opt = watched_linear(tmp_path)
+    scope.finish()
+    fresh = torch.nn.Linear(8, 1)
+    assert scope.watch(fresh, opt) is scope
+    assert "watch() after finish()" in capsys.readouterr().err and "forward" not in fresh.__dict__
