@@ -275,35 +275,46 @@ def _time_fetches(scope: Scope, trainer: pl.Trainer) -> bool:
 
 
 def _pause_for_checkpoints(scope: Scope, trainer: pl.Trainer) -> None:
-    """Pause from the start of every `trainer.save_checkpoint` (ModelCheckpoint's and the user's; this
-    trainer only; undone at train end) to the next batch. Lightning's `on_save_checkpoint` comes too late:
-    the model's and optimizers' state (an FSDP full state dict) is gathered before it."""
-    save = trainer.save_checkpoint
+    """Pause from the start of every `trainer.save_checkpoint` (ModelCheckpoint's and the user's) and of every
+    validation run inside fit, to the next batch (this trainer only; undone at train end). Lightning's hooks
+    come too late for both: the model's and optimizers' state (an FSDP full state dict) is gathered before
+    `on_save_checkpoint`, and the validation loader's workers start before `on_validation_start`."""
+    _pause_before(scope, trainer, "save_checkpoint")
+    _pause_before(scope, trainer.fit_loop.epoch_loop.val_loop, "run")
 
-    @functools.wraps(save)
-    def save_checkpoint(*args: Any, **kwargs: Any) -> Any:
+
+def _pause_before(scope: Scope, owner: Any, name: str) -> None:
+    """`owner.name` wrapped on the instance: the scope pauses, then the method runs."""
+    method = getattr(owner, name)
+
+    @functools.wraps(method)
+    def paused_first(*args: Any, **kwargs: Any) -> Any:
         try:
             scope.pause()
         except Exception as exc:
             scope.fail(exc)
-        return save(*args, **kwargs)
+        return method(*args, **kwargs)
 
-    save_checkpoint.pytscope_pause = True  # type: ignore[attr-defined]
-    trainer.save_checkpoint = save_checkpoint  # type: ignore[method-assign]
+    paused_first.pytscope_pause = True  # type: ignore[attr-defined]
+    setattr(owner, name, paused_first)
 
 
 def _unhook_trainer(trainer: pl.Trainer) -> None:
     # The loop hands these to each epoch's fetcher: with the instance's own gone, the next fit profiles as
-    # usual; the trainer's own save_checkpoint is back.
+    # usual; the trainer's own save_checkpoint and the validation loop's run are back.
     for name in ("_on_before_fetch", "_on_after_fetch"):
         trainer.fit_loop.epoch_loop.__dict__.pop(name, None)
-    ours = trainer.__dict__.get("save_checkpoint")
-    if getattr(ours, "pytscope_pause", False):  # (not if another tool wrapped it since: it keeps ours inside)
+    for owner, name in ((trainer, "save_checkpoint"), (trainer.fit_loop.epoch_loop.val_loop, "run")):
+        ours = owner.__dict__.get(name)
+        if not getattr(
+            ours, "pytscope_pause", False
+        ):  # (not if another tool wrapped it since: it keeps ours)
+            continue
         previous = ours.__wrapped__  # type: ignore[union-attr]
-        if getattr(previous, "__func__", None) is type(trainer).save_checkpoint:
-            del trainer.__dict__["save_checkpoint"]  # the class's own method again
+        if getattr(previous, "__func__", None) is getattr(type(owner), name):
+            del owner.__dict__[name]  # the class's own method again
         else:
-            trainer.save_checkpoint = previous  # type: ignore[method-assign]  # a wrapper from before ours
+            setattr(owner, name, previous)  # a wrapper from before ours
 
 
 def _loss_of(outputs: Any, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Any:
