@@ -73,6 +73,8 @@ class Comparison:
     unchanged: tuple[Finding, ...]  # in both (B's version)
     comm_note_a: str | None = None  # why run A's communication is not measured, when it is not
     comm_note_b: str | None = None
+    launches_a: tuple[int, ...] = ()  # each launch's number of ranks, when run A was resumed on another
+    launches_b: tuple[int, ...] = ()
 
     @property
     def median_change_pct(self) -> float:
@@ -95,12 +97,14 @@ class Comparison:
                 "world_size": self.world_size_a,
                 "steps": self.steps_a,
                 "comm_measured": self.comm_note_a is None,
+                "launch_world_sizes": list(self.launches_a) or None,
             },
             "b": {
                 "run": self.name_b,
                 "world_size": self.world_size_b,
                 "steps": self.steps_b,
                 "comm_measured": self.comm_note_b is None,
+                "launch_world_sizes": list(self.launches_b) or None,
             },
             "timing": {
                 "median_ms": {
@@ -203,7 +207,15 @@ def compare_summaries(a: Summary, b: Summary, name_a: str = "A", name_b: str = "
         unchanged=tuple(f for f in b.findings if f.key in keys_a),
         comm_note_a=a.run.comm_note,
         comm_note_b=b.run.comm_note,
+        launches_a=_launches(a),
+        launches_b=_launches(b),
     )
+
+
+def _launches(s: Summary) -> tuple[int, ...]:
+    """Each launch's number of ranks, when a run was resumed on another number of ranks; else ()."""
+    sizes = tuple(seg.world_size for seg in s.efficiency.goodput.segments if seg.steps > 0)
+    return sizes if len(set(sizes)) > 1 else ()
 
 
 def compare_runs(run_a: Run, run_b: Run) -> Comparison:
@@ -239,6 +251,15 @@ def render_comparison(c: Comparison) -> RenderableType:
     ]
     blind = {label: note for label, note in (("A", c.comm_note_a), ("B", c.comm_note_b)) if note}
     parts.extend(Text(f"{label}: {note}", style="yellow") for label, note in blind.items())
+    for label, launches in (("A", c.launches_a), ("B", c.launches_b)):
+        if launches:
+            parts.append(
+                Text(
+                    f"{label} ran on {' and then '.join(map(str, launches))} ranks: its step times pool every "
+                    f"launch; `pytscope scaling {label}` gives each number of ranks its own point.",
+                    style="yellow",
+                )
+            )
     if c.world_size_a != c.world_size_b:
         parts.append(
             Text(

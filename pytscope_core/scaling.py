@@ -14,7 +14,6 @@ difference there is a warning.
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -23,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .analysis.convergence import loss_per_step
-from .analysis.timing import statistics_steps, step_wall_ms
+from .analysis.timing import launch_sizes, statistics_steps, step_wall_ms
 from .summary import Summary, _plain, summarize
 
 if TYPE_CHECKING:
@@ -142,11 +141,7 @@ def by_world_size(run: Run) -> list[Run]:
     sizes = {s.index: s.world_size for s in run.context.segments}
     if len(set(sizes.values())) < 2:
         return [run]
-    segment = run.arrays.segment
-    with np.errstate(invalid="ignore"), warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # a step no rank recorded
-        step_segment = np.nanmax(segment, axis=1) if segment.size else np.empty(0)
-    step_world = np.array([sizes.get(int(x), 0) if math.isfinite(x) else 0 for x in step_segment], dtype=int)
+    step_world = launch_sizes(run.arrays.segment, sizes)
     pieces = []
     for w in sorted(set(step_world[step_world > 0].tolist())):
         context = replace(

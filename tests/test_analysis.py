@@ -107,6 +107,15 @@ def test_a_step_stalled_on_one_rank_is_named_with_its_rank_and_phase():
     assert "scope.paused()" in found.recommendation
     recoverable = next(f for f in run_rules(a) if f.code == "EFFICIENCY.RECOVERABLE")
     assert "TIMING.STALL" in recoverable.recommendation and "balance" not in recoverable.recommendation
+    # Every rank held 20 s in the all-reduce (the network): nobody's own work, so no rank's phase is blamed.
+    ph[39, 0, 5] = 0.0
+    ph[39, 0, 3] += 20_000.0
+    (found,) = [
+        f for f in diagnose(RunArrays.from_arrays(ph), RunContext(world_size=2)) if f.code == "TIMING.STALL"
+    ]
+    assert (
+        "every rank waited in communication" in found.detail and "collective itself" in found.recommendation
+    )
     # A 100 ms garbage collection in one 1 ms step of 2,000 is not a stall worth a finding (0.1% of wall)...
     ph = np.ones((2000, 2, 6)) / 6
     ph[1000, :, 5] += 100.0

@@ -142,3 +142,17 @@ def test_runs_on_different_numbers_of_ranks_point_to_scaling(tmp_path):
     console = Console(file=io.StringIO(), width=200, color_system=None)
     console.print(render_comparison(compare_runs(load_run(run_a), load_run(run_a))))
     assert "ranks:" not in console.file.getvalue()
+
+
+def test_a_run_resumed_on_another_number_of_ranks_is_said_to_pool_its_launches(tmp_path, capsys):
+    from runfactory import write_launches
+
+    steady = write_run(tmp_path / "steady", phases_of(STEPS, 2, {"forward": 4.0, "backward": 6.0}))
+    elastic = write_launches(tmp_path / "elastic", [(2, 100, 10.0), (1, 100, 8.0)])
+    c = compare_runs(load_run(steady), load_run(elastic))
+    assert c.launches_a == () and c.launches_b == (2, 1)
+    assert main(["compare", str(steady), str(elastic)]) == 0
+    assert "B ran on 2 and then 1 ranks" in " ".join(capsys.readouterr().out.split())
+    assert main(["compare", str(steady), str(elastic), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["a"]["launch_world_sizes"] is None and data["b"]["launch_world_sizes"] == [2, 1]

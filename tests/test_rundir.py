@@ -5,6 +5,7 @@ import sys
 import numpy as np
 import pytest
 
+from pytscope_core.analysis import diagnose
 from pytscope_core.cli import main
 from pytscope_core.records import COL, NCOLS
 from pytscope_core.rundir import RunWriter, append_rank_rows, load_run
@@ -261,3 +262,13 @@ def test_a_job_resumed_on_other_ranks_says_so_and_keeps_where_each_rank_ran(tmp_
     out = " ".join(capsys.readouterr().out.split())
     assert "world size 2 (steps 1-60), then 1 (steps 61-120)" in out
     assert "median over the 60 counted steps all 2 ranks ran (of 120)" in out
+
+
+def test_a_job_resumed_on_other_ranks_is_not_unstable_for_having_two_step_times(tmp_path):
+    # 140 steady steps of 10 ms on 2 ranks, then 60 of 30 ms on 1 rank: pooled, p95 is 3x the median and a
+    # third of the wall sits above it; each launch on its own is perfectly steady.
+    from runfactory import write_launches
+
+    run = load_run(write_launches(tmp_path / "r", [(2, 140, 10.0), (1, 60, 30.0)]))
+    found = diagnose(run.arrays, run.context)
+    assert not [f for f in found if f.code in ("TIMING.JITTER", "TIMING.STALL")], found

@@ -658,17 +658,19 @@ def jitter(a: RunAnalysis) -> list[Finding]:
     t = a.timing
     if t.steps_counted < JITTER_MIN_STEPS or not t.median_ms > 0:
         return []
-    ratio = t.p95_ms / t.median_ms
-    if ratio < JITTER_P95_RATIO or t.jitter_cost_share < JITTER_MIN_COST:
+    ratio = t.p95_ratio
+    cost = t.jitter_cost_share - t.stall_share  # stalled steps are TIMING.STALL's, not counted twice
+    if not ratio >= JITTER_P95_RATIO or cost < JITTER_MIN_COST:
         return []
     return [
         Finding(
             code="TIMING.JITTER",
-            severity=Severity.MED if t.jitter_cost_share >= JITTER_MED_COST else Severity.LOW,
+            severity=Severity.MED if cost >= JITTER_MED_COST else Severity.LOW,
             title="Step time is unstable",
             detail=(
-                f"p95 step {t.p95_ms:.2f} ms vs median {t.median_ms:.2f} ms (x{ratio:.2f}); time above the "
-                f"median step is {_pct(t.jitter_cost_share)} of wall."
+                f"p95 step x{ratio:.2f} the median step ({t.p95_ms:.2f} vs {t.median_ms:.2f} ms); time above "
+                f"the median step is {_pct(cost)} of wall"
+                + (" (stalled steps aside)." if t.stall_share > 0 else ".")
                 + (
                     f" In the slowest 10% of steps `{t.jitter_phase}` grows the most (+{t.jitter_phase_ms:.2f} ms)."
                     if t.jitter_phase
@@ -681,7 +683,7 @@ def jitter(a: RunAnalysis) -> list[Finding]:
             ),
             evidence={
                 "p95_ratio": ratio,
-                "cost_share": t.jitter_cost_share,
+                "cost_share": cost,
                 "phase_growth_ms": t.jitter_phase_ms,
             },
         )
@@ -704,6 +706,7 @@ _STALL_ADVICE = {
     "retries: see MEMORY findings)",
     "optimizer": "the optimizer's own periodic work (a scheduler or an optimizer that does extra work every N "
     "steps), or a first step allocating its state",
+    "comm": "the collective itself stalled on every rank (the network, NCCL/gloo, a peer outside the job)",
 }
 
 
@@ -715,7 +718,11 @@ def stall(a: RunAnalysis) -> list[Finding]:
         return []
     worst = t.stalls[0]
     where = f"rank {worst.rank} spent {worst.phase_ms / 1e3:.2f} s in `{worst.phase}`"
-    if worst.others_waited and a.world_size > 1:
+    if worst.phase == "comm":
+        where = (
+            f"every rank waited in communication, rank {worst.rank} the least ({worst.phase_ms / 1e3:.2f} s)"
+        )
+    elif worst.others_waited and a.world_size > 1:
         where += " while the other ranks waited for it"
     listed = ", ".join(str(s.step) for s in t.stalls)
     return [
@@ -726,10 +733,11 @@ def stall(a: RunAnalysis) -> list[Finding]:
             detail=(
                 f"Step {worst.step} took {worst.wall_ms / 1e3:.2f} s, {worst.wall_ms / t.median_ms:.0f}x the median "
                 f"step: {where}. Steps of at least 10x the median ({listed}"
-                f"{' ...' if len(t.stalls) == 5 else ''}) cost {_pct(t.stall_share)} of wall time beyond a "
-                "median step."
+                f"{f' and {t.stall_count - len(t.stalls)} more' if t.stall_count > len(t.stalls) else ''}) cost "
+                f"{_pct(t.stall_share)} of wall time beyond a median step."
             ),
-            recommendation=f"Likely {_STALL_ADVICE[worst.phase]}.",
+            recommendation=f"Likely {_STALL_ADVICE[worst.phase]}. Pauses at irregular intervals in any phase "
+            "can also be Python's garbage collector: call gc.freeze() once the model and loaders are built.",
             ranks=(worst.rank,),
             steps=tuple(s.step for s in t.stalls),
             evidence={"stall_share": t.stall_share, "wall_ms": worst.wall_ms, "phase_ms": worst.phase_ms},

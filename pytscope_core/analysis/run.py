@@ -17,7 +17,7 @@ from .data import DuplicateShards, duplicate_shards
 from .distributed import DistributedTiming, distributed_timing, with_placement
 from .efficiency import Efficiency, efficiency
 from .memory import MemoryStats, memory_stats
-from .timing import StepTiming, phase_ms_per_step, statistics_steps, step_timing, step_wall_ms
+from .timing import StepTiming, launch_sizes, phase_ms_per_step, statistics_steps, step_timing, step_wall_ms
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,9 @@ class RunAnalysis:
 def analyze(arrays: RunArrays, ctx: RunContext) -> RunAnalysis:
     sel = statistics_steps(arrays)
     wall = step_wall_ms(arrays)
-    timing = step_timing(arrays, wall, phase_ms_per_step(arrays))
+    sizes = {s.index: s.world_size for s in ctx.segments}
+    launch_size = launch_sizes(arrays.segment, sizes) if len(set(sizes.values())) > 1 else None
+    timing = step_timing(arrays, wall, phase_ms_per_step(arrays), launch_size)
     dist = distributed_timing(arrays, sel, ctx.comm_measured, ctx.parallelism)
     dist = with_placement(dist, ctx.placement)  # hosts and local ranks, for the report's per-rank table
     return RunAnalysis(

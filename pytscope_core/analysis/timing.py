@@ -53,10 +53,12 @@ class StepTiming:
     mean_ms: float
     phases: tuple[PhaseTiming, ...]
     jitter_cost_share: float  # wall above the median step, as a share of all wall: what instability costs
+    p95_ratio: float = math.nan  # p95 step / median step (each step against its launch size's median)
     jitter_phase: str | None = None  # the phase that grows most in the slowest 10% of steps
     jitter_phase_ms: float = 0.0  # by how much (median over slow steps - median over typical steps)
     stalls: tuple[Stall, ...] = ()  # the longest stalled steps (`find_stalls`), longest first
     stall_share: float = 0.0  # wall the stalled steps took beyond the median step, as a share of all wall
+    stall_count: int = 0  # stalled steps in all (`stalls` lists the longest)
 
     def phase(self, name: str) -> PhaseTiming:
         return next(p for p in self.phases if p.name == name)
@@ -102,8 +104,14 @@ def phase_ms_per_step(arrays: RunArrays) -> np.ndarray:
     return np.einsum("srp->sp", arrays.phases).astype(np.float64) / r
 
 
-def step_timing(arrays: RunArrays, wall: np.ndarray, phase_ms: np.ndarray) -> StepTiming:
-    """Median, p95 and phase breakdown of the counted steps (`wall` (S,) and `phase_ms` (S, P) per step)."""
+def step_timing(
+    arrays: RunArrays, wall: np.ndarray, phase_ms: np.ndarray, launch_size: np.ndarray | None = None
+) -> StepTiming:
+    """Median, p95 and phase breakdown of the counted steps (`wall` (S,) and `phase_ms` (S, P) per step).
+
+    Instability (jitter, stalls) is judged against each step's own kind of step: `launch_size` (S,) is the
+    number of ranks each step's launch ran on (`launch_sizes`); a job resumed on other numbers of ranks has
+    a typical step per size, and pooling them would make a stable run look unstable."""
     sel = statistics_steps(arrays)
     w = wall[sel]
     w = w[np.isfinite(w)]
@@ -114,9 +122,13 @@ def step_timing(arrays: RunArrays, wall: np.ndarray, phase_ms: np.ndarray) -> St
     shares = totals / grand if grand > 0 else np.zeros(len(PHASES))
     medians = np.median(pm, axis=0) if pm.shape[0] else np.full(len(PHASES), np.nan)
     median = float(np.median(w)) if w.size else math.nan
-    jitter = float(np.clip(w - median, 0, None).sum() / w.sum()) if w.size and w.sum() > 0 else 0.0
-    grows, grows_ms = _phase_that_grows(wall[sel], phase_ms[sel])
-    stalls, stall_share = find_stalls(arrays, wall, sel, median)
+    typical = _typical_step(wall, sel, launch_size)
+    ok = sel & np.isfinite(wall) & (typical > 0)
+    relative = wall[ok] / typical[ok]  # each counted step against its launch size's median step
+    above = float(np.clip(wall[ok] - typical[ok], 0, None).sum())
+    jitter = above / float(wall[ok].sum()) if ok.any() and wall[ok].sum() > 0 else 0.0
+    grows, grows_ms = _phase_that_grows(relative, phase_ms[ok])
+    stalls, stall_share, stall_count = find_stalls(arrays, wall, ok, typical)
     return StepTiming(
         steps_counted=int(w.size),
         median_ms=median,
@@ -124,27 +136,50 @@ def step_timing(arrays: RunArrays, wall: np.ndarray, phase_ms: np.ndarray) -> St
         mean_ms=float(w.mean()) if w.size else math.nan,
         phases=tuple(PhaseTiming(name, float(shares[i]), float(medians[i])) for i, name in enumerate(PHASES)),
         jitter_cost_share=jitter,
+        p95_ratio=float(np.quantile(relative, 0.95)) if relative.size else math.nan,
         jitter_phase=grows,
         jitter_phase_ms=grows_ms,
         stalls=stalls,
         stall_share=stall_share,
+        stall_count=stall_count,
     )
 
 
+def launch_sizes(segment: np.ndarray, sizes: dict[int, int]) -> np.ndarray:
+    """(S,) the number of ranks each step's launch ran on, from the (S, R) segment of every record and each
+    segment's size (0 where unknown)."""
+    with np.errstate(invalid="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # a step no rank recorded
+        step_segment = np.nanmax(segment, axis=1) if segment.size else np.empty(0)
+    return np.array([sizes.get(int(x), 0) if math.isfinite(x) else 0 for x in step_segment], dtype=np.int64)
+
+
+def _typical_step(wall: np.ndarray, sel: np.ndarray, launch_size: np.ndarray | None) -> np.ndarray:
+    """(S,) the median counted step of each step's launch size (one median when there is one size)."""
+    groups = launch_size if launch_size is not None else np.zeros(wall.size, dtype=np.int64)
+    typical = np.full(wall.size, np.nan)
+    counted = sel & np.isfinite(wall)
+    for g in np.unique(groups):
+        mine = groups == g
+        if (mine & counted).any():
+            typical[mine] = np.median(wall[mine & counted])
+    return typical
+
+
 def find_stalls(
-    arrays: RunArrays, wall: np.ndarray, sel: np.ndarray, median_ms: float
-) -> tuple[tuple[Stall, ...], float]:
+    arrays: RunArrays, wall: np.ndarray, counted: np.ndarray, typical: np.ndarray
+) -> tuple[tuple[Stall, ...], float, int]:
     """Counted steps of at least STALL_FACTOR x the median and STALL_MIN_MS (a checkpoint or an evaluation
     left out of `paused()`, a recompilation, a storage hiccup): the longest STALL_LISTED of them, each with the
-    rank whose own work made it and that rank's phase, and what all of them cost beyond the median step, as a
-    share of the counted steps' wall."""
-    if not median_ms > 0:
-        return (), 0.0
-    counted = np.flatnonzero(sel & np.isfinite(wall))
-    slow = counted[wall[counted] >= max(STALL_FACTOR * median_ms, STALL_MIN_MS)]
+    rank whose own work made it and that rank's phase ("comm" when no rank's own work grew: every rank waited
+    in a collective), what all of them cost beyond the median step, as a share of the counted steps' wall,
+    and how many there are. `counted` (S,) bool: the steps judged; `typical` (S,): each one's
+    median step (`_typical_step`)."""
+    counted = np.flatnonzero(counted)
+    slow = counted[wall[counted] >= np.maximum(STALL_FACTOR * typical[counted], STALL_MIN_MS)]
     if slow.size == 0:
-        return (), 0.0
-    share = float((wall[slow] - median_ms).sum() / wall[counted].sum())
+        return (), 0.0, 0
+    share = float((wall[slow] - typical[slow]).sum() / wall[counted].sum())
     own_phases = [i for i, name in enumerate(PHASES) if name != "comm"]
     comm = PHASES.index("comm")
     out = []
@@ -156,10 +191,15 @@ def find_stalls(
             warnings.simplefilter(
                 "ignore", RuntimeWarning
             )  # a phase without counted records, a rank without one
-            typical = np.nanmedian(arrays.phases[counted, r][:, own_phases], axis=0)  # that rank's usual step
-            waited = bool(others.size) and bool(np.nanmin(others) >= 0.5 * (wall[i] - median_ms))
-        growth = np.nan_to_num(arrays.phases[i, r, own_phases] - typical, nan=-np.inf)
+            waited = bool(others.size) and bool(np.nanmin(others) >= 0.5 * (wall[i] - typical[i]))
+            usual = np.nanmedian(arrays.phases[counted, r][:, own_phases], axis=0)  # that rank's usual step
+        growth = np.nan_to_num(arrays.phases[i, r, own_phases] - usual, nan=-np.inf)
         p = own_phases[int(np.argmax(growth))]
+        if not growth.max() >= 0.5 * (wall[i] - typical[i]):  # no rank's own work made it: all waited
+            p, waited = comm, False
+            r = int(
+                np.argmin(np.where(np.isfinite(arrays.phases[i, :, comm]), arrays.phases[i, :, comm], np.inf))
+            )
         out.append(
             Stall(
                 int(arrays.steps[i]),
@@ -170,11 +210,12 @@ def find_stalls(
                 waited,
             )
         )
-    return tuple(out), share
+    return tuple(out), share, int(slow.size)
 
 
 def _phase_that_grows(wall: np.ndarray, phase_ms: np.ndarray) -> tuple[str | None, float]:
-    """Which phase makes slow steps slow: its median over the slowest 10% of steps minus over typical ones."""
+    """Which phase makes slow steps slow: its median over the slowest 10% of steps minus over typical ones
+    (`wall` orders the steps: their wall, or each one's wall over its typical step)."""
     ok = np.isfinite(wall) & np.all(np.isfinite(phase_ms), axis=1)
     wall, phase_ms = wall[ok], phase_ms[ok]
     if wall.size < 20:
