@@ -32,10 +32,14 @@ TREND_MIN_RELATIVE_CHANGE = 0.05
 
 PLATEAU_MIN_SHARE = 1 / 3
 """A plateau after a fall is a tail of at least a third of the counted steps (and TREND_MIN_STEPS)..."""
-PLATEAU_MAX_DECREASE = 0.01
-"""...over which the loss fell by less than 1% of its level, with confidence: the tail's first-to-last change
-plus PLATEAU_Z standard errors. A tail too noisy to show that is not called a plateau: a slow fall stays
-"improving" (a power-law descent at 1% noise falls about 2% over its last third)."""
+PLATEAU_MAX_CHANGE = 0.01
+"""...over which the loss moved (either way) by less than 1% of its level, or by less than
+PLATEAU_MAX_SHARE_OF_FALL of what it had fallen before, with confidence: the tail's first-to-last change plus
+PLATEAU_Z standard errors, and the tail not still falling significantly. A tail too noisy to show that is not
+called a plateau, and a slow fall stays "improving" (a power-law descent falls about 2% of its level, and 13%
+of its earlier fall, over its last third). Either way: a tail that rose by chance at one of the candidate starts
+must not pass for flat."""
+PLATEAU_MAX_SHARE_OF_FALL = 0.05
 PLATEAU_Z = 2.0
 PLATEAU_STARTS = 24
 """Where a plateau may begin: every 1/24 of the counted steps; the earliest start whose tail is flat wins."""
@@ -132,17 +136,26 @@ class Plateau:
 
 def plateau_start(loss: np.ndarray) -> tuple[int, float] | None:
     """(index into the finite values of `loss`, relative change from there) where an improving loss stopped
-    improving: the earliest start of a tail (at least PLATEAU_MIN_SHARE of the values) that fell by less than
-    PLATEAU_MAX_DECREASE of its level, with confidence; None when the loss never improved or still does."""
+    improving: the earliest start of a tail (at least PLATEAU_MIN_SHARE of the values) that moved by less than
+    PLATEAU_MAX_CHANGE of its level or PLATEAU_MAX_SHARE_OF_FALL of the fall before it, with confidence; None
+    when the loss never improved or still does."""
     x = loss[np.isfinite(loss)]
     if loss_trend(x).trend != "improving":
         return None
+    first = float(stats.block_means(x, TREND_BLOCKS)[:TREND_EDGE_BLOCKS].mean())
     shortest = max(TREND_MIN_STEPS, math.ceil(PLATEAU_MIN_SHARE * x.size))
     for start in np.linspace(0, x.size, PLATEAU_STARTS + 1).round().astype(int):
         if x.size - start < shortest:
             break
         change, se, level = _edge_change(x[start:])
-        if math.isfinite(se) and -change + PLATEAU_Z * se < PLATEAU_MAX_DECREASE * abs(level):
+        if not math.isfinite(se):
+            continue
+        moved = abs(change) + PLATEAU_Z * se  # the most it may have moved
+        still_falling = se > 0 and change / se <= -TREND_T_CRIT
+        fell = first - level
+        if not still_falling and (
+            moved < PLATEAU_MAX_CHANGE * abs(level) or moved < PLATEAU_MAX_SHARE_OF_FALL * fell
+        ):
             return int(start), change / abs(level) if level else math.nan
     return None
 
