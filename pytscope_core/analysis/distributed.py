@@ -242,7 +242,9 @@ def sync_divergence(arrays: RunArrays) -> SyncDivergence | None:
         # step lies outside that rank's records in the step's segment: a rank whose records end (a hang or a
         # kill before the gather), or that was not part of a resumed launch (a job resumed on fewer or more
         # ranks), is missing, not diverged.
-        partial = present.any(axis=1) & ~(present | _outside_own_records(present, arrays.segment)).all(axis=1)
+        partial = present.any(axis=1) & ~present.all(axis=1)
+        if partial.any():  # (a healthy run has no gap: nothing more to look at)
+            partial &= ~(present | _outside_own_records(present, arrays.segment)).all(axis=1)
     bad_steps = np.flatnonzero(differs.any(axis=1) | partial)
     if bad_steps.size == 0:
         return None
