@@ -242,7 +242,9 @@ def discount_peer_pauses(phases: np.ndarray, wall: np.ndarray, excluded: np.ndar
 
 
 def _latest_per_rank_step(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Keep, for each (rank, step), the row of the latest segment; return (kept, superseded)."""
+    """Keep, for each step, the rows of the latest segment that recorded it, one per rank; return (kept,
+    superseded). A resume replays the steps done after the checkpoint: every earlier record of such a step is
+    superseded, a rank's that the resumed job no longer has included."""
     if rows.shape[0] == 0:
         return rows, rows
     rank = rows[:, COL["rank"]].astype(np.int64)
@@ -251,19 +253,31 @@ def _latest_per_rank_step(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     _, index = _dense_index(key)
     if index.size == 0 or int(index.max()) + 1 == key.size:  # the usual case: nothing was replayed
         return rows, rows[:0]
-    order = np.lexsort((rows[:, COL["segment"]], key))
-    key = key[order]
-    last = np.ones(key.size, dtype=bool)
-    last[:-1] = key[1:] != key[:-1]
-    rows = rows[order]
-    return rows[last], rows[~last]
+    order = np.lexsort((rows[:, COL["segment"]], step))  # by step, then segment
+    rows, step = rows[order], step[order]
+    segment = rows[:, COL["segment"]]
+    ends = np.flatnonzero(np.r_[step[1:] != step[:-1], True])  # each step's last row: its latest segment
+    latest = np.repeat(segment[ends], np.diff(np.r_[-1, ends]))
+    current = segment == latest
+    kept, superseded = rows[current], rows[~current]
+    key = key[order][current]  # one row per (rank, step) of the latest segment: the last one written
+    once = np.ones(key.size, dtype=bool)
+    by_key = np.argsort(key, kind="stable")
+    once[by_key[:-1]] = key[by_key[1:]] != key[by_key[:-1]]
+    return kept[once], np.concatenate([superseded, kept[~once]])
+
+
+def step_segments(segment: np.ndarray) -> np.ndarray:
+    """(S,) the segment of each step from the (S, R) segment of every record, NaN where no rank recorded it
+    (one pass over the grid, no warning)."""
+    return np.fmax.reduce(segment, axis=1) if segment.shape[1] else np.full(segment.shape[0], np.nan)
 
 
 def _past_warmup(steps: np.ndarray, segment: np.ndarray, warmup: int) -> np.ndarray:
     """True for steps that are not among the first `warmup` steps of their segment."""
     if steps.size == 0 or warmup <= 0:
         return np.ones(steps.size, dtype=bool)
-    seg = np.fmax.reduce(segment, axis=1)  # the step's segment, NaN ignored (one pass over the grid)
+    seg = step_segments(segment)
     seg[np.isnan(seg)] = -1
     counted = np.ones(steps.size, dtype=bool)
     for value in np.unique(seg):

@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from .analysis.timing import launch_sequence
 from .findings import Finding
 from .summary import Summary, _plain, summarize
 
@@ -214,8 +215,7 @@ def compare_summaries(a: Summary, b: Summary, name_a: str = "A", name_b: str = "
 
 def _launches(s: Summary) -> tuple[int, ...]:
     """Each launch's number of ranks, when a run was resumed on another number of ranks; else ()."""
-    sizes = tuple(seg.world_size for seg in s.efficiency.goodput.segments if seg.steps > 0)
-    return sizes if len(set(sizes)) > 1 else ()
+    return launch_sequence([seg.world_size for seg in s.efficiency.goodput.segments if seg.steps > 0])
 
 
 def compare_runs(run_a: Run, run_b: Run) -> Comparison:

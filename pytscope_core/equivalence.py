@@ -174,10 +174,10 @@ def check_equivalence(
                 "importable module (lambdas and local functions cannot be)"
             ) from None
 
-    # The caller's random state is left as it was; the user's code failing here is not a difference.
-    with torch.random.fork_rng(devices=[]), _reference_errors():
+    with torch.random.fork_rng(devices=[]):  # the caller's random state is left as it was
         torch.manual_seed(seed)
-        model = model_factory()
+        with _reference_errors():
+            model = model_factory()
         initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
         batchnorm = [
             name
@@ -201,7 +201,8 @@ def check_equivalence(
             workers = start_workers(world_size, job, out_dir)
             try:
                 torch.manual_seed(seed)
-                reference = train(model, loss_fn, default_step, optimizer_factory, inputs, targets, steps)
+                with _reference_errors():
+                    reference = train(model, loss_fn, default_step, optimizer_factory, inputs, targets, steps)
                 workers.wait(timeout_s)
                 distributed = read_results(out_dir)
             finally:
@@ -223,16 +224,15 @@ def check_equivalence(
 
 @contextlib.contextmanager
 def _reference_errors() -> Iterator[None]:
-    """What the user's code raises in this process (the model, the loss, the optimizer on the full batch) as
-    a `WorkerError`: a broken check is not a difference between the runs."""
+    """What the user's code raises in this process (building the model; the reference run's forward, loss,
+    backward and optimizer step on the full batch) as a `WorkerError`: a broken check is not a difference
+    between the runs."""
     try:
         yield
-    except (EquivalenceError, EquivalenceSetupError, WorkerError):
-        raise
     except Exception as exc:
         raise WorkerError(
-            f"the one-process reference run failed: {type(exc).__name__}: {exc} (loss_fn is called as "
-            "loss_fn(outputs, targets), step_fn as step_fn(model, loss_fn, inputs, targets))"
+            f"the one-process reference run failed: {type(exc).__name__}: {exc} (it calls "
+            "loss_fn(model(inputs), targets).backward(), then the optimizer's step)"
         ) from exc
 
 

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .analysis.convergence import loss_per_step
-from .analysis.timing import launch_sizes, statistics_steps, step_wall_ms
+from .analysis.timing import launch_sequence, launch_sizes, statistics_steps, step_wall_ms
 from .summary import Summary, _plain, summarize
 
 if TYPE_CHECKING:
@@ -171,10 +171,11 @@ def scaling_points(runs: Sequence[Run], target_loss: float | None = None, weak: 
     worlds = [max(summaries[i].run.world_size, 1) for i in order]
     base_w, base_t = worlds[0], throughputs[0]
     notes: list[str] = [
-        f"{run.path} ran on {' and then '.join(str(s.world_size) for s in run.context.segments)} ranks (one "
-        "segment each): a point for each number of ranks"
+        f"{run.path} ran on {' and then '.join(map(str, launch_sequence(sizes)))} ranks: a point for each "
+        "number of ranks"
         for run, pieces in split
         if len(pieces) > 1
+        for sizes in [[s.world_size for s in run.context.segments]]
     ]
     if base_w != 1:
         notes.append(

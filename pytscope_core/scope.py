@@ -145,7 +145,7 @@ class Scope:
         except Exception as exc:
             self.fail(exc)
         if self._at_exit is None:  # the summary still appears if the user forgets finish()
-            self._at_exit = functools.partial(_end_at_exit, self)
+            self._at_exit = functools.partial(_end_at_exit, self, getattr(sys, "last_value", None))
             atexit.register(self._at_exit)
         return self
 
@@ -304,6 +304,7 @@ class Scope:
             if self.session is not None:
                 self.session.release()
             self.hooks.remove()
+            self._models.clear()  # (the user's models are not kept alive by an ended scope)
             self.recorder.stop()
             self.coordinator.destroy()
         return self.summary
@@ -342,12 +343,14 @@ def raised(exc: BaseException) -> str:
     return f"raised {type(exc).__name__}" + (f": {text[0][:160]}" if text else "")
 
 
-def _end_at_exit(scope: Scope) -> None:
+def _end_at_exit(scope: Scope, error_before: BaseException | None) -> None:
     """The interpreter is exiting and the run was not ended. After an unhandled exception the other ranks are
     blocked in the step this process left and will not come to a final gather: this rank only stops (its
-    records go to its own file, with the exception). Otherwise the user forgot `finish()`: finish."""
+    records go to its own file, with the exception). Otherwise the user forgot `finish()`: finish. An
+    interactive session keeps its last error (`error_before`, or one a later cell raised and survived)."""
     error = getattr(sys, "last_value", None)  # set by the interpreter for the exception that ends it
-    if error is not None:
+    interactive = hasattr(sys, "ps1") or "IPython" in sys.modules
+    if error is not None and error is not error_before and not interactive:
         scope.stop(f"the process {raised(error)}")
     else:
         scope.finish()

@@ -205,8 +205,9 @@ class RunSession:
 
             rec = scope.recorder
             rows = rec.pending_rows(self.rank, scope.segment, self._epoch_offset)
-            if self._in_flight is not None:  # drained for a gather the main thread is still blocked in
-                rows = np.concatenate([self._in_flight, rows])
+            in_flight = self._in_flight  # (read once: the main thread clears it when its gather returns)
+            if in_flight is not None:  # drained for a gather the main thread is still blocked in
+                rows = np.concatenate([in_flight, rows])
             last = rec.current_label() if rec.steps_done else None
             append_rank_rows(self.run_dir, self.rank, rows, reason, at_step=last)
             self._flushed = True

@@ -160,6 +160,8 @@ class Summary:
                     "step": c.plateau.step,
                     "steps": c.plateau.steps,
                     "relative_change": c.plateau.relative_change,
+                    "bound": c.plateau.bound,
+                    "fall": c.plateau.fall,
                 }
                 if c.plateau is not None
                 else None,

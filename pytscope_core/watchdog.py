@@ -298,12 +298,14 @@ class Watchdog(threading.Thread):
 
     def whereabouts(self) -> str | None:
         """Where this rank was at its last heartbeat, when it had been there a second or more ("at step 30
-        in `forward` for 15 s"): what a SIGTERM interrupted. None before the first beat or while progressing."""
-        beat = dict(self._local_beat)
-        if not beat:
+        in `forward` for 15 s"): what a SIGTERM interrupted. None before the first beat, while progressing, or
+        on any error (it is said on the way out: the rows must be written regardless)."""
+        try:
+            beat = dict(self._local_beat)
+            beat["idle_s"] = float(beat["idle_s"]) + max(0.0, _wall() - float(beat["t"]))
+            return _where(beat).removeprefix("is ") if beat["idle_s"] >= 1.0 else None
+        except Exception:  # (no beat yet: KeyError)
             return None
-        beat["idle_s"] = float(beat["idle_s"]) + max(0.0, _wall() - float(beat["t"]))
-        return _where(beat).removeprefix("is ") if beat["idle_s"] >= 1.0 else None
 
     def period(self) -> float:
         """Seconds until the next beat (and, on rank 0, the next check): see `beat_period`."""

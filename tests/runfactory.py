@@ -73,15 +73,19 @@ def write_run(
 
 
 def write_launches(
-    path: Path, launches: list[tuple[int, int, float]], batch: float = 16.0, warmup: int = 0
+    path: Path, launches: list[tuple[float, ...]], batch: float = 16.0, warmup: int = 0
 ) -> Path:
     """A job launched several times on different numbers of ranks: `launches` is (ranks, steps, step ms) per
-    launch, each resuming where the last one ended; every launch writes its segment and its ranks' hosts."""
+    launch, each resuming where the last one ended, or (ranks, steps, step ms, first step) for one resumed
+    from an earlier checkpoint (it replays the steps after it); every launch writes its segment and its
+    ranks' hosts."""
     writer = RunWriter(
         path, {"world_size": launches[0][0], "warmup": warmup, "interval": 50, "device": "cpu"}
     )
     first, t0 = 1, T0
-    for index, (ranks, steps, step_ms) in enumerate(launches):
+    for index, (ranks_, steps_, step_ms, *resumed) in enumerate(launches):
+        ranks, steps = int(ranks_), int(steps_)
+        first = int(resumed[0]) if resumed else first
         writer.event("segment", index=index, started_s=t0, resumed_from_step=first - 1, world_size=ranks)
         writer.event("meta", fields={"hosts": [f"h{index}"] * ranks, "local_ranks": list(range(ranks))})
         rows = np.zeros((steps, ranks, NCOLS))

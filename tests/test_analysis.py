@@ -116,6 +116,14 @@ def test_a_step_stalled_on_one_rank_is_named_with_its_rank_and_phase():
     assert (
         "every rank waited in communication" in found.detail and "collective itself" in found.recommendation
     )
+    # One rank, 2.8 s split between data and other: no phase holds half of it, and nobody communicated.
+    one = np.zeros((120, 1, 6))
+    one[:, 0, 1], one[:, 0, 2] = 4.0, 6.0
+    one[39, 0, 0], one[39, 0, 5] = 1_300.0, 1_500.0
+    (found,) = [
+        f for f in diagnose(RunArrays.from_arrays(one), RunContext(world_size=1)) if f.code == "TIMING.STALL"
+    ]
+    assert "rank 0 spent 1.50 s in `other`" in found.detail
     # A 100 ms garbage collection in one 1 ms step of 2,000 is not a stall worth a finding (0.1% of wall)...
     ph = np.ones((2000, 2, 6)) / 6
     ph[1000, :, 5] += 100.0
@@ -428,7 +436,8 @@ def test_a_rank_left_out_of_a_smaller_resumed_job_is_not_called_killed():
     ends = summarize(RunArrays.from_rows(np.vstack([first, second]), warmup=0), ctx).to_dict()["run"][
         "rank_ends"
     ]
-    assert ends == [{"rank": 1, "last_step": 50, "reason": "the job resumed from step 40 with 1 rank(s)"}]
+    # Steps 41-50 were replayed by the resumed job: rank 1's records of them are replayed work, not its last.
+    assert ends == [{"rank": 1, "last_step": 40, "reason": "the job resumed from step 40 with 1 rank(s)"}]
 
 
 def test_a_job_resumed_on_other_ranks_is_not_a_desync_but_a_skipped_step_still_is():
@@ -452,6 +461,12 @@ def test_a_job_resumed_on_other_ranks_is_not_a_desync_but_a_skipped_step_still_i
         f for f in diagnose(RunArrays.from_rows(rows[~skipped], warmup=0), ctx4) if f.code == "DIST.DESYNC"
     ]
     assert desync.steps == (100,) and desync.ranks == (3,)
+    # Ranks of one launch that resume from different steps do diverge: rank 3 joins 10 steps late.
+    late = (rows[:, COL["segment"]] == 2) & (rows[:, COL["rank"]] == 3) & (rows[:, COL["step"]] <= 90)
+    (desync,) = [
+        f for f in diagnose(RunArrays.from_rows(rows[~late], warmup=0), ctx4) if f.code == "DIST.DESYNC"
+    ]
+    assert desync.steps == (81,) and desync.ranks == (3,)
 
 
 def test_a_pause_on_rank_0_and_the_wait_for_it_count_once_in_goodput():

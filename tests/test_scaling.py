@@ -189,3 +189,14 @@ def test_a_job_resumed_on_fewer_ranks_is_a_point_at_each_size(tmp_path, capsys):
     assert [p["segments"] for p in json.loads(capsys.readouterr().out)["points"]] == [[1], [0]]
     assert main(["scaling", str(run)]) == 0
     assert "elastic (segment 0)" in " ".join(capsys.readouterr().out.split())
+
+
+def test_a_job_resumed_on_fewer_ranks_from_an_earlier_checkpoint_keeps_each_size_apart(tmp_path):
+    # 4 ranks run steps 1-200 (10 ms); 2 ranks resume from step 150's checkpoint (8 ms). Steps 151-200 of the
+    # first launch are replayed work on every rank, the 2 ranks the resumed job no longer has included.
+    from runfactory import write_launches
+
+    run = load_run(write_launches(tmp_path / "r", [(4, 200, 10.0), (2, 100, 8.0, 151)]))
+    s = scaling_points([run])
+    assert [(p.world_size, p.steps_counted) for p in s.points] == [(2, 100), (4, 150)]
+    assert [p.throughput for p in s.points] == pytest.approx([2 * 16 / 8e-3, 4 * 16 / 10e-3])

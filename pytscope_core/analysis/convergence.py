@@ -132,10 +132,16 @@ class Plateau:
     step: int
     steps: int  # finite counted steps from there to the end
     relative_change: float  # last quarter of the tail against its first quarter
+    bound: (
+        float  # the most it may have moved (the change either way + PLATEAU_Z standard errors), of its level
+    )
+    fall: float  # how much it had fallen before, of the level of the run's first quarter
 
 
-def plateau_start(loss: np.ndarray) -> tuple[int, float] | None:
-    """(index into the finite values of `loss`, relative change from there) where an improving loss stopped
+def plateau_start(loss: np.ndarray) -> tuple[int, float, float, float] | None:
+    """(index into the finite values of `loss`, relative change from there and the bound on how much it may
+    have moved, both of its level, how much it had fallen before, of the first quarter's) where an improving
+    loss stopped
     improving: the earliest start of a tail (at least PLATEAU_MIN_SHARE of the values) that moved by less than
     PLATEAU_MAX_CHANGE of its level or PLATEAU_MAX_SHARE_OF_FALL of the fall before it, with confidence; None
     when the loss never improved or still does."""
@@ -156,7 +162,8 @@ def plateau_start(loss: np.ndarray) -> tuple[int, float] | None:
         if not still_falling and (
             moved < PLATEAU_MAX_CHANGE * abs(level) or moved < PLATEAU_MAX_SHARE_OF_FALL * fell
         ):
-            return int(start), change / abs(level) if level else math.nan
+            scale = abs(level) if level else math.nan
+            return int(start), change / scale, moved / scale, fell / abs(first) if first else math.nan
     return None
 
 
@@ -237,8 +244,8 @@ def convergence(
     plateau = None
     if flat_from is not None:
         counted_steps = arrays.steps[sel][np.isfinite(counted)]
-        start, change = flat_from
-        plateau = Plateau(int(counted_steps[start]), int(counted_steps.size - start), change)
+        start, change, bound, fall = flat_from
+        plateau = Plateau(int(counted_steps[start]), int(counted_steps.size - start), change, bound, fall)
     spark = finite
     if finite.size > 40:
         spark = stats.block_means(finite, 40)

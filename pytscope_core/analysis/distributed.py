@@ -15,13 +15,12 @@ and the result says why, instead of declaring the job balanced.
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 
-from ..arrays import RunArrays
+from ..arrays import RunArrays, step_segments
 from ..parallelism import comm_note
 from ..placement import Placement
 from ..records import PHASES
@@ -238,13 +237,12 @@ def sync_divergence(arrays: RunArrays) -> SyncDivergence | None:
     with np.errstate(invalid="ignore"):
         differs = np.isfinite(g) & np.isfinite(g[:, :1]) & (g != g[:, :1])
         present = np.isfinite(g)
-        # A rank missing a step another rank recorded also breaks the count (NaN vs a number), unless the
-        # step lies outside that rank's records in the step's segment: a rank whose records end (a hang or a
-        # kill before the gather), or that was not part of a resumed launch (a job resumed on fewer or more
-        # ranks), is missing, not diverged.
+        # A rank missing a step another rank recorded also breaks the count (NaN vs a number), unless its
+        # records in that step's segment ended before it (a hang or a kill before the gather) or it has none
+        # there (a job resumed on fewer or more ranks): missing is not diverged.
         partial = present.any(axis=1) & ~present.all(axis=1)
         if partial.any():  # (a healthy run has no gap: nothing more to look at)
-            partial &= ~(present | _outside_own_records(present, arrays.segment)).all(axis=1)
+            partial &= ~(present | _excused(present, arrays.segment, partial)).all(axis=1)
     bad_steps = np.flatnonzero(differs.any(axis=1) | partial)
     if bad_steps.size == 0:
         return None
@@ -265,21 +263,18 @@ def sync_divergence(arrays: RunArrays) -> SyncDivergence | None:
     )
 
 
-def _outside_own_records(present: np.ndarray, segment: np.ndarray) -> np.ndarray:
-    """(S, R) bool: the step is before a rank's first or after its last record in the step's segment."""
-    with np.errstate(invalid="ignore"), warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # a step no rank recorded: its segment is NaN
-        step_segment = np.nanmax(segment, axis=1)
-    outside = np.ones(present.shape, dtype=bool)
-    index = np.arange(present.shape[0])[:, None]
-    for value in np.unique(step_segment[np.isfinite(step_segment)]):
-        rows = step_segment == value
-        mine = present & rows[:, None]
-        ever = mine.any(axis=0)
-        first = np.where(ever, mine.argmax(axis=0), present.shape[0])
-        last = np.where(ever, present.shape[0] - 1 - mine[::-1].argmax(axis=0), -1)
-        outside[rows] = ((index < first) | (index > last))[rows]
-    return outside
+def _excused(present: np.ndarray, segment: np.ndarray, gaps: np.ndarray) -> np.ndarray:
+    """(S, R) bool, on the steps in `gaps` only: the rank has no record in the step's segment, or its records
+    there ended before the step. Segments are contiguous runs of steps, so each is one slice of rows."""
+    out = np.zeros(present.shape, dtype=bool)
+    step_segment = step_segments(segment)
+    for value in np.unique(step_segment[gaps & np.isfinite(step_segment)]):
+        rows = np.flatnonzero(step_segment == value)
+        a, b = int(rows[0]), int(rows[-1]) + 1
+        mine = present[a:b] & (step_segment[a:b] == value)[:, None]
+        last = np.where(mine.any(axis=0), b - a - 1 - mine[::-1].argmax(axis=0), -1)
+        out[rows] = (np.arange(b - a)[:, None] > last[None, :])[rows - a]  # after its last record, or none
+    return out
 
 
 def _empty(arrays: RunArrays, ranks: list[int]) -> DistributedTiming:

@@ -608,9 +608,9 @@ def no_progress(a: RunAnalysis) -> list[Finding]:
                 severity=Severity.MED,
                 title=f"The loss stopped improving around step {plateau.step}",
                 detail=(
-                    f"It fell {_pct(-t.relative_change)} from the first quarter of the counted steps to the last, "
-                    f"but from step {plateau.step} on ({plateau.steps} counted steps) it changed by "
-                    f"{100 * plateau.relative_change:+.1f}%: a decrease of less than 1%, with confidence."
+                    f"From step {plateau.step} on ({plateau.steps} counted steps) the loss changed by "
+                    f"{100 * plateau.relative_change:+.1f}% (at most ±{100 * plateau.bound:.1f}% with confidence), "
+                    f"after a fall of {100 * plateau.fall:.0f}% from the level of the run's first quarter."
                 ),
                 recommendation=(
                     "If the model has converged, stop (or save compute with early stopping); if it should still "
@@ -828,6 +828,8 @@ RECOVERABLE_MIN_TOTAL = 0.10
 """Only speak when >= 10% of wall is recoverable in total..."""
 RECOVERABLE_MIN_LINE = 0.05
 """...and name the lines that are >= 5% each."""
+_LINE_OF = {"data": "data wait", "comm": "exposed transfer", "other": "other"}
+"""The budget line a phase's time falls in, where the line is recoverable."""
 _ADVICE = {
     "data wait": "faster input pipeline (more workers, prefetch)",
     "exposed transfer": "more comm/compute overlap or fewer syncs",
@@ -844,7 +846,9 @@ def _advice(line: str, a: RunAnalysis) -> str:
         return f"the extra work in `other` on rank {slow[0].rank}, the straggler (see DIST.STRAGGLER)"
     t = a.timing
     stalled = t.stall_share >= STALL_MIN_SHARE and t.stalls
-    if stalled and (line == "sync wait (imbalance)" and not d.stragglers or line == t.stalls[0].phase):
+    if stalled and (
+        line == "sync wait (imbalance)" and not d.stragglers or line == _LINE_OF.get(t.stalls[0].phase)
+    ):
         return f"the stalled step{'s' if len(t.stalls) > 1 else ''} (see TIMING.STALL)"
     if line == "exposed transfer" and (a.ctx.parallelism or "").startswith("fsdp2"):
         if a.world_size < 2:

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from ..arrays import RunArrays
+from ..arrays import RunArrays, step_segments
 from ..records import PHASES
 from . import stats
 
@@ -148,10 +149,16 @@ def step_timing(
 def launch_sizes(segment: np.ndarray, sizes: dict[int, int]) -> np.ndarray:
     """(S,) the number of ranks each step's launch ran on, from the (S, R) segment of every record and each
     segment's size (0 where unknown)."""
-    with np.errstate(invalid="ignore"), warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # a step no rank recorded
-        step_segment = np.nanmax(segment, axis=1) if segment.size else np.empty(0)
-    return np.array([sizes.get(int(x), 0) if math.isfinite(x) else 0 for x in step_segment], dtype=np.int64)
+    return np.array(
+        [sizes.get(int(x), 0) if math.isfinite(x) else 0 for x in step_segments(segment)], dtype=np.int64
+    )
+
+
+def launch_sequence(sizes: Sequence[int]) -> tuple[int, ...]:
+    """The numbers of ranks a job ran on, launch after launch, each change once ((4, 4, 2) -> (4, 2));
+    () when it never changed."""
+    changes = tuple(w for i, w in enumerate(sizes) if i == 0 or w != sizes[i - 1])
+    return changes if len(changes) > 1 else ()
 
 
 def _typical_step(wall: np.ndarray, sel: np.ndarray, launch_size: np.ndarray | None) -> np.ndarray:
@@ -195,11 +202,9 @@ def find_stalls(
             usual = np.nanmedian(arrays.phases[counted, r][:, own_phases], axis=0)  # that rank's usual step
         growth = np.nan_to_num(arrays.phases[i, r, own_phases] - usual, nan=-np.inf)
         p = own_phases[int(np.argmax(growth))]
-        if not growth.max() >= 0.5 * (wall[i] - typical[i]):  # no rank's own work made it: all waited
-            p, waited = comm, False
-            r = int(
-                np.argmin(np.where(np.isfinite(arrays.phases[i, :, comm]), arrays.phases[i, :, comm], np.inf))
-            )
+        waits = np.where(np.isfinite(arrays.phases[i, :, comm]), arrays.phases[i, :, comm], 0.0)
+        if not growth.max() >= 0.5 * (wall[i] - typical[i]) and waits.min() >= 0.5 * (wall[i] - typical[i]):
+            p, waited, r = comm, False, int(np.argmin(waits))  # no rank's own work made it: every rank waited
         out.append(
             Stall(
                 int(arrays.steps[i]),
