@@ -330,7 +330,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="smoke size")
     parser.add_argument("--seeds", type=int, default=None, help="seeds per (ranks, slowdown)")
     parser.add_argument("--no-gloo", action="store_true", help="skip the real 2-rank runs")
-    parser.add_argument("--loss-only", action="store_true", help="only the loss checks (worsening, early spikes, plateaus)")
+    parser.add_argument(
+        "--loss-only", action="store_true", help="only the loss checks (worsening, early spikes, plateaus)"
+    )
     args = parser.parse_args(argv)
     q = args.quick
     sizes = [4, 8] if q else [4, 8, 64]
