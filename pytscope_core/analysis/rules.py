@@ -597,15 +597,15 @@ def spike(a: RunAnalysis) -> list[Finding]:
 
 @rule("CONVERGENCE.NO_PROGRESS")
 def no_progress(a: RunAnalysis) -> list[Finding]:
-    """A "flat" (MED) or "worsening" (HIGH) trend; the floors (t >= 3.9 one-sided, >= 5% change, >= 100
-    finite steps) live in convergence.py."""
+    """A "flat" (MED) or "worsening" (HIGH) trend, or an improving one that went flat (LOW, `plateau_start`);
+    the floors (t >= 3.9 one-sided, >= 5% change, >= 100 finite steps) live in convergence.py."""
     t = a.convergence.trend
     plateau = a.convergence.plateau
     if t.trend == "improving" and plateau is not None:
         return [
             Finding(
                 code="CONVERGENCE.NO_PROGRESS",
-                severity=Severity.MED,
+                severity=Severity.LOW,  # what a run that converged looks like: a hint, not a fault
                 title=f"The loss stopped improving around step {plateau.step}",
                 detail=(
                     f"From step {plateau.step} on ({plateau.steps} counted steps) the loss changed by "
