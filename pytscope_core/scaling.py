@@ -151,6 +151,10 @@ def by_world_size(run: Run) -> list[Run]:
     return pieces
 
 
+def _launches(run: Run) -> tuple[int, ...]:
+    return launch_sequence([s.world_size for s in run.context.segments])
+
+
 def scaling_points(runs: Sequence[Run], target_loss: float | None = None, weak: bool = False) -> Scaling:
     """One point per run and number of ranks it ran on (`by_world_size`), sorted by world size; `weak` states
     that the per-rank batch is held on purpose."""
@@ -171,11 +175,9 @@ def scaling_points(runs: Sequence[Run], target_loss: float | None = None, weak: 
     worlds = [max(summaries[i].run.world_size, 1) for i in order]
     base_w, base_t = worlds[0], throughputs[0]
     notes: list[str] = [
-        f"{run.path} ran on {' and then '.join(map(str, launch_sequence(sizes)))} ranks: a point for each "
-        "number of ranks"
+        f"{run.path} ran on {' and then '.join(map(str, _launches(run)))} ranks: a point for each number of ranks"
         for run, pieces in split
         if len(pieces) > 1
-        for sizes in [[s.world_size for s in run.context.segments]]
     ]
     if base_w != 1:
         notes.append(

@@ -56,9 +56,8 @@ class RunSession:
         self._watchdog: Any = None
         self._flushed = False  # this rank's own rows are written at most once...
         self._flushing = threading.Lock()  # ...by one caller at a time (a signal may arrive during a flush)
-        self._in_flight: np.ndarray | None = (
-            None  # rows handed to a gather that has not returned (a peer hung)
-        )
+        # Rows handed to a gather that has not returned (a peer hung): a flush writes them too.
+        self._in_flight: np.ndarray | None = None
         self._sigterm = SigtermChain(self._on_sigterm)
         self._sigterm.install()
         if scope.options.hang_timeout is not None:

@@ -115,7 +115,7 @@ class ScopeCallback(Callback):
         self._watch(scope, trainer, pl_module)  # first: it picks the clock, which the run's metadata records
         scope.start()  # collective: every rank is here, after the strategy set up the process group
         self._fetch_timed = _time_fetches(scope, trainer)
-        _pause_for_checkpoints(scope, trainer)
+        _pause_where_hooks_come_late(scope, trainer)
         self._check_shards(scope, trainer)
 
     @_guarded
@@ -180,7 +180,7 @@ class ScopeCallback(Callback):
     # -- time that is not a training step -----------------------------------------------------------------
     @_guarded
     def on_validation_start(self, scope: Scope, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        scope.pause()
+        scope.pause()  # (inside fit the pause began earlier, with the validation loop's run: see below)
 
     # No resume in on_validation_end: the module's own on_validation_end and the loop's teardown run after the
     # callbacks' hook. The pause runs to the end of the step it is in (the next fetch opens a new step) or,
@@ -274,13 +274,17 @@ def _time_fetches(scope: Scope, trainer: pl.Trainer) -> bool:
     return True
 
 
-def _pause_for_checkpoints(scope: Scope, trainer: pl.Trainer) -> None:
+def _pause_where_hooks_come_late(scope: Scope, trainer: pl.Trainer) -> None:
     """Pause from the start of every `trainer.save_checkpoint` (ModelCheckpoint's and the user's) and of every
     validation run inside fit, to the next batch (this trainer only; undone at train end). Lightning's hooks
     come too late for both: the model's and optimizers' state (an FSDP full state dict) is gathered before
     `on_save_checkpoint`, and the validation loader's workers start before `on_validation_start`."""
-    _pause_before(scope, trainer, "save_checkpoint")
-    _pause_before(scope, trainer.fit_loop.epoch_loop.val_loop, "run")
+    for owner, name in _paused_methods(trainer):
+        _pause_before(scope, owner, name)
+
+
+def _paused_methods(trainer: pl.Trainer) -> tuple[tuple[Any, str], ...]:
+    return ((trainer, "save_checkpoint"), (trainer.fit_loop.epoch_loop.val_loop, "run"))
 
 
 def _pause_before(scope: Scope, owner: Any, name: str) -> None:
@@ -299,22 +303,25 @@ def _pause_before(scope: Scope, owner: Any, name: str) -> None:
     setattr(owner, name, paused_first)
 
 
+def _undo_pause_before(owner: Any, name: str) -> None:
+    """`owner.name` as it was before `_pause_before`, unless another tool wrapped it since (it keeps ours)."""
+    ours = owner.__dict__.get(name)
+    if not getattr(ours, "pytscope_pause", False):
+        return
+    previous = ours.__wrapped__
+    if getattr(previous, "__func__", None) is getattr(type(owner), name):
+        del owner.__dict__[name]  # the class's own method again
+    else:
+        setattr(owner, name, previous)  # a wrapper from before ours
+
+
 def _unhook_trainer(trainer: pl.Trainer) -> None:
     # The loop hands these to each epoch's fetcher: with the instance's own gone, the next fit profiles as
     # usual; the trainer's own save_checkpoint and the validation loop's run are back.
     for name in ("_on_before_fetch", "_on_after_fetch"):
         trainer.fit_loop.epoch_loop.__dict__.pop(name, None)
-    for owner, name in ((trainer, "save_checkpoint"), (trainer.fit_loop.epoch_loop.val_loop, "run")):
-        ours = owner.__dict__.get(name)
-        if not getattr(
-            ours, "pytscope_pause", False
-        ):  # (not if another tool wrapped it since: it keeps ours)
-            continue
-        previous = ours.__wrapped__  # type: ignore[union-attr]
-        if getattr(previous, "__func__", None) is getattr(type(owner), name):
-            del owner.__dict__[name]  # the class's own method again
-        else:
-            setattr(owner, name, previous)  # a wrapper from before ours
+    for owner, name in _paused_methods(trainer):
+        _undo_pause_before(owner, name)
 
 
 def _loss_of(outputs: Any, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Any:
