@@ -32,6 +32,10 @@ exp(-t/25)) until step 150 and stay flat after; how often "stopped improving" is
 steps: two power laws (2.0 + 3.0 t^-0.3, as language models fall, and 0.5 + 3.0 t^-0.5), an exponential
 (0.3 + 2.0 exp(-t/300)) and a straight line (3.0 - 0.002 t): a plateau said there is false.
 
+**Rises after a fall**: 1,000 curves per noise level that fall as the plateau's, sit flat until step 300 and
+then rise linearly by 20% by step 600; how often "rising since" is said, and how far from step 300 it places
+the turn. A rise said on the fell-then-flat curves above, or on the still-falling ones, is false.
+
 **Real gloo runs**: 2 spawned processes train a small DDP MLP under `Scope`; rank 1 busy-waits every step
 for the slowdown x its own plain step time (measured before training, same on both ranks); the run
 directory is then diagnosed on growing prefixes like the simulations.
@@ -237,6 +241,31 @@ def plateaus(curves: int, noise: float) -> tuple[int, float, int]:
     return found, float(np.median(errors)) if errors else math.nan, false
 
 
+def rises(curves: int, noise: float) -> tuple[int, float, int, int]:
+    """(curves that fell, sat flat until step 300 and then rose 20% by step 600 with a rise found, median
+    |found turn - 300| in steps, fell-then-flat curves with a rise said, still-falling curves (four shapes,
+    `curves` each) with a rise said)."""
+    from pytscope_core.analysis.convergence import rise_start
+
+    rng = np.random.default_rng([77, int(noise * 1000)])
+    t = np.arange(600)
+    fell = np.where(t < 150, 0.5 + 3.0 * np.exp(-t / 25), 0.5 + 3.0 * np.exp(-150 / 25))
+    rose = np.where(t < 300, fell, fell[-1] * (1 + 0.2 * (t - 300) / 300))
+    found, errors, false_flat = 0, [], 0
+    for _ in range(curves):
+        r = rise_start(rose * (1 + noise * rng.standard_normal(t.size)))
+        if r is not None:
+            found += 1
+            errors.append(abs(r.step - 300))
+        false_flat += rise_start(fell * (1 + noise * rng.standard_normal(t.size))) is not None
+    t = np.arange(1, 1001)
+    false_falling = 0
+    for level in (2.0 + 3.0 * t**-0.3, 0.5 + 3.0 * t**-0.5, 0.3 + 2.0 * np.exp(-t / 300), 3.0 - 0.002 * t):
+        for _ in range(curves):
+            false_falling += rise_start(level * (1 + noise * rng.standard_normal(t.size))) is not None
+    return found, float(np.median(errors)) if errors else math.nan, false_flat, false_falling
+
+
 # -- real 2-rank gloo runs --------------------------------------------------------------------------------------
 
 
@@ -331,7 +360,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, default=None, help="seeds per (ranks, slowdown)")
     parser.add_argument("--no-gloo", action="store_true", help="skip the real 2-rank runs")
     parser.add_argument(
-        "--loss-only", action="store_true", help="only the loss checks (worsening, early spikes, plateaus)"
+        "--loss-only",
+        action="store_true",
+        help="only the loss checks (worsening, early spikes, plateaus, rises)",
     )
     args = parser.parse_args(argv)
     q = args.quick
@@ -375,6 +406,13 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"  plateaus, {100 * noise:.0f}% noise: fell then flat from step 150, said {100 * found / curves:.1f}% "
             f"(start off by a median {error:.0f} steps); still falling, said {false_plateau}/{4 * curves}"
+        )
+    for noise in (0.01, 0.05, 0.10, 0.20):
+        found, error, false_flat, false_falling = rises(curves, noise)
+        print(
+            f"  rises, {100 * noise:.0f}% noise: fell, flat, then up 20% from step 300, said {100 * found / curves:.1f}% "
+            f"(turn off by a median {error:.0f} steps); fell then flat, said {false_flat}/{curves}; still falling, "
+            f"said {false_falling}/{4 * curves}"
         )
     print(f"  (simulations took {time.perf_counter() - t0:.1f} s)")
 

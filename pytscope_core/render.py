@@ -144,7 +144,11 @@ def render_convergence(summary: Summary) -> RenderableType:
         f"loss: first {_num(c.first_loss, '.4g')}, last {'finite ' if c.nonfinite_step is not None else ''}"
         f"{_num(c.last_loss, '.4g')}",
     ]
-    if c.plateau is not None:
+    if c.rise is not None:
+        lines[0] += (
+            f"; rising since about step {c.rise.step} ({c.rise.lowest:.4g} then, {c.rise.last:.4g} at the end)"
+        )
+    elif c.plateau is not None:
         lines[0] += f"; flat from about step {c.plateau.step} ({100 * c.plateau.relative_change:+.1f}% since)"
     spark = sparkline(c.sparkline_values)
     if spark:

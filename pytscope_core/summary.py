@@ -165,6 +165,16 @@ class Summary:
                 }
                 if c.plateau is not None
                 else None,
+                "rise": {
+                    "step": c.rise.step,
+                    "steps": c.rise.steps,
+                    "lowest": c.rise.lowest,
+                    "last": c.rise.last,
+                    "relative_change": c.rise.relative_change,
+                    "t": c.rise.t,
+                }
+                if c.rise is not None
+                else None,
             },
             "efficiency": {
                 "budget": [

@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import io
 import json
 
 import numpy as np
 import pytest
+from rich.console import Console
 
 from pytscope_core.analysis import analyze, diagnose, run_rules
-from pytscope_core.analysis.convergence import find_spikes, loss_trend, plateau_start
+from pytscope_core.analysis.convergence import find_spikes, loss_trend, plateau_start, rise_start
 from pytscope_core.arrays import RunArrays
 from pytscope_core.context import CountsCheck, ReplicaCheck, RunContext, Segment
 from pytscope_core.findings import Severity
 from pytscope_core.records import COL, NCOLS
+from pytscope_core.render import render_convergence
 from pytscope_core.summary import summarize
 
 TRANSFER_MS = 0.5
@@ -231,6 +234,31 @@ def test_a_loss_that_fell_then_went_flat_is_said_to_have_stopped_improving():
     assert found_at is not None and 75 <= found_at[0] <= 175
 
 
+def test_a_loss_that_fell_then_rose_is_said_to_be_rising():
+    # Falls until step 150, flat until 300, then up 20% by step 600: the run as a whole is still "improving"
+    # (its last quarter is far below its first), and neither flat nor a plateau.
+    t = np.arange(600)
+    fell = np.where(t < 150, 0.5 + 3.0 * np.exp(-t / 25), 0.5 + 3.0 * np.exp(-6))
+    rose = np.where(t < 300, fell, fell[-1] * (1 + 0.2 * (t - 300) / 300))
+    run = make_run(600, 2, loss=rose * (1 + 0.05 * np.random.default_rng(8).standard_normal(t.size)))
+    a = analyze(run, RunContext(world_size=2))
+    assert a.convergence.trend.trend == "improving" and a.convergence.plateau is None
+    rise = a.convergence.rise
+    assert rise is not None and 270 <= rise.step <= 400 and rise.t >= 5
+    assert rise.last > 1.1 * rise.lowest
+    (found,) = [f for f in run_rules(a) if f.code == "CONVERGENCE.NO_PROGRESS"]
+    assert found.severity == Severity.MED and found.steps == (rise.step,)
+    assert found.title == f"The loss has been rising since around step {rise.step}"
+    summary = summarize(run, RunContext(world_size=2))
+    assert summary.to_dict()["convergence"]["rise"]["step"] == rise.step
+    console = Console(file=io.StringIO(), width=200, color_system=None)
+    console.print(render_convergence(summary))
+    assert f"rising since about step {rise.step}" in console.file.getvalue()
+    # The same curve without the rise: a plateau (LOW), no rise.
+    flat = fell * (1 + 0.05 * np.random.default_rng(8).standard_normal(t.size))
+    assert rise_start(flat) is None and plateau_start(flat) is not None
+
+
 @pytest.mark.parametrize("noise", [0.01, 0.05])
 def test_a_loss_still_falling_slowly_is_not_a_plateau(noise):
     # A power-law descent (as language models fall) and a slow exponential: still learning, nothing to say.
@@ -238,7 +266,8 @@ def test_a_loss_still_falling_slowly_is_not_a_plateau(noise):
     rng = np.random.default_rng(6)
     for level in (2.0 + 3.0 * t**-0.3, 0.5 + 3.0 * t**-0.5, 0.3 + 2.0 * np.exp(-t / 300), 3.0 - 0.002 * t):
         for _ in range(20):
-            assert plateau_start(level * (1 + noise * rng.standard_normal(t.size))) is None
+            loss = level * (1 + noise * rng.standard_normal(t.size))
+            assert plateau_start(loss) is None and rise_start(loss) is None
     assert plateau_start(np.full(500, 2.0)) is None  # flat from the start: "flat", not a plateau after a fall
 
 

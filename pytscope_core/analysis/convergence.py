@@ -42,7 +42,22 @@ must not pass for flat."""
 PLATEAU_MAX_SHARE_OF_FALL = 0.05
 PLATEAU_Z = 2.0
 PLATEAU_STARTS = 24
-"""Where a plateau may begin: every 1/24 of the counted steps; the earliest start whose tail is flat wins."""
+"""Where a plateau (or a rise) may begin: every 1/24 of the counted steps; the earliest start whose tail is
+flat (rising) wins."""
+
+RISE_MIN_SHARE = 1 / 4
+"""A rise after a fall is a tail of at least a quarter of the counted steps (and TREND_MIN_STEPS) whose last
+quarter is above its first by TREND_MIN_RELATIVE_CHANGE of its level, with TREND_T_CRIT: the same test as a
+run's "worsening", on the tail. It is looked for only when the run as a whole is "improving", where the
+earlier fall hides it: a run that got worse overall is "worsening" already, and one that ended where it began
+is "flat" (searching a flat run's tails for a rise would call slow noise a rise: 10% of flat losses with AR(1)
+noise, phi 0.9)."""
+RISE_T_CRIT = 5.0
+"""Higher than TREND_T_CRIT: up to 19 tails are tested. At 3.9, 0.1-0.4% of losses that fell and then sat flat
+with 10-30% iid noise per step were called rising, and up to 1.8% with AR(1) noise (phi 0.5); at 5.0, at most
+0.2% and 0.5% (1,000 curves each)."""
+RISE_TURN_SDS = 2.0
+"""Where it turned: the last of the rising tail's block means within 2 noise sds of the lowest."""
 
 SPIKE_WINDOW = 50
 """Trailing steps that define the local loss level for spike detection."""
@@ -82,6 +97,7 @@ class Convergence:
     spikes: tuple[Spike, ...]
     sparkline_values: tuple[float, ...]  # block means for a small chart (at most 40), NaN-free
     plateau: Plateau | None = None  # where an improving loss stopped improving (`plateau_start`)
+    rise: Rise | None = None  # where a loss that had fallen turned up (`rise_start`)
 
 
 def loss_per_step(arrays: RunArrays) -> np.ndarray:
@@ -167,6 +183,53 @@ def plateau_start(loss: np.ndarray) -> tuple[int, float, float, float] | None:
     return None
 
 
+@dataclass(frozen=True)
+class Rise:
+    """Where a loss that had fallen turned up again, and by how much."""
+
+    step: int  # the middle of the rising tail's lowest block mean: the turn
+    lowest: float  # that block's mean
+    steps: int  # finite counted steps from the turn to the end
+    relative_change: float  # the tail's last quarter against its first quarter, of the first quarter's level
+    t: float  # that change over its standard error
+    last: float  # the mean of the tail's last quarter
+
+
+def rise_start(loss: np.ndarray, steps: np.ndarray | None = None) -> Rise | None:
+    """Where a loss that had fallen turned up again (a tail of at least RISE_MIN_SHARE of the finite values
+    that rose significantly), at the lowest of that tail's block means; None when it did not. `steps`: the
+    step number of each value of `loss` (default: its index)."""
+    ok = np.isfinite(loss)
+    x = loss[ok]
+    at = (np.arange(loss.size) if steps is None else np.asarray(steps))[ok]
+    if loss_trend(x).trend != "improving":
+        return None
+    shortest = max(TREND_MIN_STEPS, math.ceil(RISE_MIN_SHARE * x.size))
+    for start in np.linspace(0, x.size, PLATEAU_STARTS + 1).round().astype(int):
+        if x.size - start < shortest:
+            break
+        change, se, level = _edge_change(x[start:])
+        if se > 0 and change / se >= RISE_T_CRIT and change >= TREND_MIN_RELATIVE_CHANGE * abs(level):
+            means = stats.block_means(x[start:], TREND_BLOCKS)
+            edges = start + np.linspace(0, x.size - start, TREND_BLOCKS + 1).round().astype(int)
+            # The turn: the last block still within noise of the lowest (a loss that sat flat before it rose
+            # turned where the flat part ends, not at its noisiest low point), before the last quarter.
+            low = float(means.min())
+            noise = stats.trimmed_von_neumann_sd(means)
+            near = means[: TREND_BLOCKS - TREND_EDGE_BLOCKS] <= low + RISE_TURN_SDS * noise
+            last_low = int(np.flatnonzero(near)[-1]) if near.any() else int(np.argmin(means))
+            turn = (edges[last_low] + edges[last_low + 1]) // 2
+            return Rise(
+                step=int(at[turn]),
+                lowest=low,
+                steps=int(x.size - turn),
+                relative_change=change / abs(level),
+                t=change / se,
+                last=float(means[-TREND_EDGE_BLOCKS:].mean()),
+            )
+    return None
+
+
 def find_spikes(loss: np.ndarray, steps: np.ndarray) -> tuple[Spike, ...]:
     """Upward jumps far above the trailing median; a run of consecutive spike steps counts once: at its
     first step, with its peak loss."""
@@ -240,7 +303,10 @@ def convergence(
     counted = per_step[sel]
     finite = per_step[np.isfinite(per_step)]
     step, ranks = seen if seen is not None else first_nonfinite(arrays)
-    flat_from = plateau_start(counted)
+    rise = rise_start(counted, arrays.steps[sel])
+    # A plateau bounds its tail's change by a share of the fall before it, which after a large fall admits a
+    # tail that rose significantly: that tail is a rise, not a plateau.
+    flat_from = plateau_start(counted) if rise is None else None
     plateau = None
     if flat_from is not None:
         counted_steps = arrays.steps[sel][np.isfinite(counted)]
@@ -258,4 +324,5 @@ def convergence(
         spikes=find_spikes(counted, arrays.steps[sel]),
         sparkline_values=tuple(float(v) for v in spark),
         plateau=plateau,
+        rise=rise,
     )

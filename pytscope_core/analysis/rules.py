@@ -597,10 +597,33 @@ def spike(a: RunAnalysis) -> list[Finding]:
 
 @rule("CONVERGENCE.NO_PROGRESS")
 def no_progress(a: RunAnalysis) -> list[Finding]:
-    """A "flat" (MED) or "worsening" (HIGH) trend, or an improving one that went flat (LOW, `plateau_start`);
+    """A "flat" (MED) or "worsening" (HIGH) trend, or an improving one that turned up (MED, `rise_start`) or
+    went flat (LOW, `plateau_start`);
     the floors (t >= 3.9 one-sided, >= 5% change, >= 100 finite steps) live in convergence.py."""
     t = a.convergence.trend
     plateau = a.convergence.plateau
+    rise = a.convergence.rise
+    if t.trend == "improving" and rise is not None:
+        return [
+            Finding(
+                code="CONVERGENCE.NO_PROGRESS",
+                severity=Severity.MED,
+                title=f"The loss has been rising since around step {rise.step}",
+                detail=(
+                    f"Its smoothed loss was lowest around step {rise.step} ({rise.lowest:.4g}) and ended at "
+                    f"{rise.last:.4g} ({_pct((rise.last - rise.lowest) / abs(rise.lowest))} above it), a significant rise "
+                    f"(t = {rise.t:.1f}); the run as a whole reads as improving only because of its earlier fall."
+                ),
+                recommendation=(
+                    "A training loss that turns up after falling usually means the learning rate is too high for this "
+                    "stage (lower or decay it; check the schedule's peak and warm-up) or the data changed (a new "
+                    "epoch's order, shards of a different kind); look at the gradient norm around that step and clip "
+                    "it if it grows. Keep the checkpoint from before the turn."
+                ),
+                steps=(rise.step,),
+                evidence={"rise_step": rise.step, "relative_change": rise.relative_change, "t": rise.t},
+            )
+        ]
     if t.trend == "improving" and plateau is not None:
         return [
             Finding(
