@@ -19,8 +19,8 @@ counts as a misnamed detection. Healthy runs (no slowdown, 50 seeds per size) ar
 (what a live user sees) and at the end; any `DIST.STRAGGLER` there is false.
 
 **Flat losses**: 1,000 curves of 500 steps at level 2.0 with Gaussian noise (sd 5%) and 1% upward spikes
-(x1.5); one more family with AR(1) noise (phi 0.5). Called worsening = convergence trend "worsening" or a
-`CONVERGENCE.NO_PROGRESS` finding of HIGH severity (its "getting worse" form).
+(x1.5); one more family with AR(1) noise (phi 0.5). Called worsening = convergence trend "worsening", a
+`CONVERGENCE.NO_PROGRESS` finding of HIGH severity (its "getting worse" form) or a rise after a fall.
 
 **Early loss spikes**: 1,000 curves per shape of 120 counted steps, an exponential fall (0.3 + 2.0 exp(-t/tau),
 tau 5, 15, 40) or flat at 2.0, Gaussian noise sd 5%; how often a spike is called before step 50 in the clean
@@ -34,7 +34,8 @@ steps: two power laws (2.0 + 3.0 t^-0.3, as language models fall, and 0.5 + 3.0 
 
 **Rises after a fall**: 1,000 curves per noise level that fall as the plateau's, sit flat until step 300 and
 then rise linearly by 20% by step 600; how often "rising since" is said, and how far from step 300 it places
-the turn. A rise said on the fell-then-flat curves above, or on the still-falling ones, is false.
+the turn. A rise said on the fell-then-flat curves above (with independent noise, and with slowly wandering
+AR(1) noise, phi 0.9), or on the still-falling ones, is false.
 
 **Real gloo runs**: 2 spawned processes train a small DDP MLP under `Scope`; rank 1 busy-waits every step
 for the slowdown x its own plain step time (measured before training, same on both ranks); the run
@@ -196,7 +197,7 @@ def false_worsening(curves: int, steps: int, phi: float) -> int:
             RunArrays.from_arrays(phases, loss=loss, warmup=WARMUP), RunContext(world_size=2, warmup=WARMUP)
         )
         high = any(f.code == "CONVERGENCE.NO_PROGRESS" and f.severity == Severity.HIGH for f in run_rules(a))
-        worse += a.convergence.trend.trend == "worsening" or high
+        worse += a.convergence.trend.trend == "worsening" or high or a.convergence.rise is not None
     return worse
 
 
@@ -241,29 +242,37 @@ def plateaus(curves: int, noise: float) -> tuple[int, float, int]:
     return found, float(np.median(errors)) if errors else math.nan, false
 
 
-def rises(curves: int, noise: float) -> tuple[int, float, int, int]:
+WANDER_PHI = 0.9
+
+
+def rises(curves: int, noise: float) -> tuple[int, float, int, int, int]:
     """(curves that fell, sat flat until step 300 and then rose 20% by step 600 with a rise found, median
-    |found turn - 300| in steps, fell-then-flat curves with a rise said, still-falling curves (four shapes,
-    `curves` each) with a rise said)."""
+    |found turn - 300| in steps, fell-then-flat curves with a rise said: with independent noise and with
+    slowly wandering noise (AR(1), WANDER_PHI), still-falling curves (four shapes, `curves` each) with a rise
+    said)."""
     from pytscope_core.analysis.convergence import rise_start
 
     rng = np.random.default_rng([77, int(noise * 1000)])
     t = np.arange(600)
     fell = np.where(t < 150, 0.5 + 3.0 * np.exp(-t / 25), 0.5 + 3.0 * np.exp(-150 / 25))
     rose = np.where(t < 300, fell, fell[-1] * (1 + 0.2 * (t - 300) / 300))
-    found, errors, false_flat = 0, [], 0
+    found, errors, false_flat, false_wander = 0, [], 0, 0
     for _ in range(curves):
         r = rise_start(rose * (1 + noise * rng.standard_normal(t.size)))
         if r is not None:
             found += 1
             errors.append(abs(r.step - 300))
         false_flat += rise_start(fell * (1 + noise * rng.standard_normal(t.size))) is not None
+        e = rng.standard_normal(t.size)
+        for i in range(1, t.size):
+            e[i] += WANDER_PHI * e[i - 1]
+        false_wander += rise_start(fell * (1 + noise * np.sqrt(1 - WANDER_PHI**2) * e)) is not None
     t = np.arange(1, 1001)
     false_falling = 0
     for level in (2.0 + 3.0 * t**-0.3, 0.5 + 3.0 * t**-0.5, 0.3 + 2.0 * np.exp(-t / 300), 3.0 - 0.002 * t):
         for _ in range(curves):
             false_falling += rise_start(level * (1 + noise * rng.standard_normal(t.size))) is not None
-    return found, float(np.median(errors)) if errors else math.nan, false_flat, false_falling
+    return found, float(np.median(errors)) if errors else math.nan, false_flat, false_wander, false_falling
 
 
 # -- real 2-rank gloo runs --------------------------------------------------------------------------------------
@@ -408,11 +417,11 @@ def main(argv: list[str] | None = None) -> int:
             f"(start off by a median {error:.0f} steps); still falling, said {false_plateau}/{4 * curves}"
         )
     for noise in (0.01, 0.05, 0.10, 0.20):
-        found, error, false_flat, false_falling = rises(curves, noise)
+        found, error, false_flat, false_wander, false_falling = rises(curves, noise)
         print(
             f"  rises, {100 * noise:.0f}% noise: fell, flat, then up 20% from step 300, said {100 * found / curves:.1f}% "
-            f"(turn off by a median {error:.0f} steps); fell then flat, said {false_flat}/{curves}; still falling, "
-            f"said {false_falling}/{4 * curves}"
+            f"(turn off by a median {error:.0f} steps); fell then flat, said {false_flat}/{curves} (AR(1) "
+            f"{WANDER_PHI} noise: {false_wander}/{curves}); still falling, said {false_falling}/{4 * curves}"
         )
     print(f"  (simulations took {time.perf_counter() - t0:.1f} s)")
 

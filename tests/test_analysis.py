@@ -110,6 +110,19 @@ def test_a_step_stalled_on_one_rank_is_named_with_its_rank_and_phase():
     assert "scope.paused()" in found.recommendation
     recoverable = next(f for f in run_rules(a) if f.code == "EFFICIENCY.RECOVERABLE")
     assert "TIMING.STALL" in recoverable.recommendation and "balance" not in recoverable.recommendation
+    # A 3 s pause on rank 1 after its all-reduce (a checkpoint before optimizer.step()) at step 137 of 300 on
+    # 3 ranks: the other two wait in step 138's all-reduce. One stall, at step 137 on rank 1, 3 s long (not
+    # the job's mean over ranks, 1 s at step 137 and 2 s at step 138, blamed on rank 1's `forward`).
+    three = np.zeros((300, 3, 6))
+    three[:, :, 1], three[:, :, 2], three[:, :, 3] = 4.0, 5.0, 1.0
+    three[136, 1, 5] = 3_000.0
+    three[137, [0, 2], 3] += 3_000.0
+    a = analyze(RunArrays.from_arrays(three), RunContext(world_size=3))
+    (found,) = [f for f in run_rules(a) if f.code == "TIMING.STALL"]
+    assert found.steps == (137,) and found.ranks == (1,) and a.timing.stall_count == 1
+    assert found.title == "Step 137 stalled for 3.0 s" and "took 3.01 s" in found.detail
+    assert "rank 1 spent 3.00 s in `other` while the other ranks waited" in found.detail
+    assert a.timing.stall_share == pytest.approx(3_000 / (295 * 10 + 3_000), abs=0.01)  # warm-up: 5 steps
     # Every rank held 20 s in the all-reduce (the network): nobody's own work, so no rank's phase is blamed.
     ph[39, 0, 5] = 0.0
     ph[39, 0, 3] += 20_000.0
@@ -257,6 +270,27 @@ def test_a_loss_that_fell_then_rose_is_said_to_be_rising():
     # The same curve without the rise: a plateau (LOW), no rise.
     flat = fell * (1 + 0.05 * np.random.default_rng(8).standard_normal(t.size))
     assert rise_start(flat) is None and plateau_start(flat) is not None
+    # A rise so large that the run as a whole reads "flat" (2.26 -> 0.34 by step 200, back to 1.14 by 400):
+    # still a rise, not "stopped improving".
+    t = np.arange(400)
+    back = np.where(t < 200, 0.34 + 1.92 * np.exp(-t / 40), 0.34 + 0.8 * (t - 200) / 200)
+    a = analyze(
+        make_run(400, 2, loss=back * (1 + 0.05 * np.random.default_rng(9).standard_normal(400))),
+        RunContext(world_size=2),
+    )
+    assert a.convergence.trend.trend == "flat" and a.convergence.rise is not None
+    assert 190 <= a.convergence.rise.step <= 260
+    (found,) = [f for f in run_rules(a) if f.code == "CONVERGENCE.NO_PROGRESS"]
+    assert (
+        found.severity == Severity.MED and "rising since" in found.title and "reads as flat" in found.detail
+    )
+    # A loss flat from the start, even with slowly wandering noise, has not risen after a fall.
+    rng = np.random.default_rng(10)
+    for _ in range(50):
+        wander = rng.standard_normal(500)
+        for i in range(1, 500):
+            wander[i] += 0.9 * wander[i - 1]
+        assert rise_start(2.0 * (1 + 0.05 * np.sqrt(1 - 0.81) * wander)) is None
 
 
 @pytest.mark.parametrize("noise", [0.01, 0.05])
@@ -281,6 +315,8 @@ def test_infinite_loss_is_nonfinite_and_breaks_nothing():
         if f.code == "CONVERGENCE.NONFINITE"
     ]
     assert found and found[0].steps == (121,) and found[0].severity == Severity.HIGH
+    # The loss just before the bad step, not the run's last finite one (1.0 at step 300).
+    assert f"the last finite loss before it was {loss[119]:.4g}." in found[0].detail
     summary = summarize(arrays, RunContext(world_size=4))
     assert summary.convergence.nonfinite_step == 121
     json.dumps(summary.to_dict(), allow_nan=False)

@@ -48,9 +48,10 @@ flat (rising) wins."""
 RISE_MIN_SHARE = 1 / 4
 """A rise after a fall is a tail of at least a quarter of the counted steps (and TREND_MIN_STEPS) whose last
 quarter is above its first by TREND_MIN_RELATIVE_CHANGE of its level, with TREND_T_CRIT: the same test as a
-run's "worsening", on the tail. It is looked for only when the run as a whole is "improving", where the
-earlier fall hides it: a run that got worse overall is "worsening" already, and one that ended where it began
-is "flat" (searching a flat run's tails for a rise would call slow noise a rise: 10% of flat losses with AR(1)
+run's "worsening", on the tail. It is looked for when the run as a whole reads "improving" or "flat", where
+the earlier fall hides it (a run that got worse overall is "worsening" already); on a "flat" run only after a
+clear fall to the tail's lowest block (5% of the first quarter's level and RISE_T_CRIT x sqrt(2) of the block
+noise): searching a flat run's tails alone for a rise calls slow noise a rise (10% of flat losses with AR(1)
 noise, phi 0.9)."""
 RISE_T_CRIT = 5.0
 """Higher than TREND_T_CRIT: up to 19 tails are tested. At 3.9, 0.1-0.4% of losses that fell and then sat flat
@@ -98,6 +99,7 @@ class Convergence:
     sparkline_values: tuple[float, ...]  # block means for a small chart (at most 40), NaN-free
     plateau: Plateau | None = None  # where an improving loss stopped improving (`plateau_start`)
     rise: Rise | None = None  # where a loss that had fallen turned up (`rise_start`)
+    loss_before_nonfinite: float = math.nan  # the last finite loss before `nonfinite_step`, when recorded
 
 
 def loss_per_step(arrays: RunArrays) -> np.ndarray:
@@ -202,8 +204,10 @@ def rise_start(loss: np.ndarray, steps: np.ndarray | None = None) -> Rise | None
     ok = np.isfinite(loss)
     x = loss[ok]
     at = (np.arange(loss.size) if steps is None else np.asarray(steps))[ok]
-    if loss_trend(x).trend != "improving":
+    trend = loss_trend(x).trend
+    if trend not in ("improving", "flat"):
         return None
+    first = _edge_change(x)[2]
     shortest = max(TREND_MIN_STEPS, math.ceil(RISE_MIN_SHARE * x.size))
     for start in np.linspace(0, x.size, PLATEAU_STARTS + 1).round().astype(int):
         if x.size - start < shortest:
@@ -219,6 +223,11 @@ def rise_start(loss: np.ndarray, steps: np.ndarray | None = None) -> Rise | None
             near = means[: TREND_BLOCKS - TREND_EDGE_BLOCKS] <= low + RISE_TURN_SDS * noise
             last_low = int(np.flatnonzero(near)[-1]) if near.any() else int(np.argmin(means))
             turn = (edges[last_low] + edges[last_low + 1]) // 2
+            fell = first - low
+            if trend == "flat" and not (
+                fell >= TREND_MIN_RELATIVE_CHANGE * abs(first) and fell >= RISE_T_CRIT * math.sqrt(2) * noise
+            ):
+                return None  # a loss that ended where it began rose only if it clearly fell first
             return Rise(
                 step=int(at[turn]),
                 lowest=low,
@@ -312,6 +321,10 @@ def convergence(
         counted_steps = arrays.steps[sel][np.isfinite(counted)]
         start, change, bound, fall = flat_from
         plateau = Plateau(int(counted_steps[start]), int(counted_steps.size - start), change, bound, fall)
+    before = math.nan
+    if step is not None:
+        earlier = np.flatnonzero(np.isfinite(per_step) & (arrays.steps < step))
+        before = float(per_step[earlier[-1]]) if earlier.size else math.nan
     spark = finite
     if finite.size > 40:
         spark = stats.block_means(finite, 40)
@@ -325,4 +338,5 @@ def convergence(
         sparkline_values=tuple(float(v) for v in spark),
         plateau=plateau,
         rise=rise,
+        loss_before_nonfinite=before,
     )

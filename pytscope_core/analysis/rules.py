@@ -459,7 +459,12 @@ def input_bound(a: RunAnalysis) -> list[Finding]:
     share = worst.data_share
     sev = severity_at(share, INPUT_MED_SHARE, INPUT_HIGH_SHARE)
     some = len(ranks) < len(a.distributed.per_rank)
-    who = f"Ranks {format_ranks(r.rank for r in ranks)} wait" if some else "Every rank waits"
+    if not some:
+        who = "Every rank waits"
+    elif len(ranks) == 1:
+        who = f"Rank {ranks[0].rank} waits"
+    else:
+        who = f"Ranks {format_ranks(r.rank for r in ranks)} wait"
     return [
         Finding(
             code="DATA.INPUT_BOUND",
@@ -545,8 +550,8 @@ def nonfinite(a: RunAnalysis) -> list[Finding]:
             detail=(
                 f"First NaN/Inf loss at step {c.nonfinite_step} on rank(s) {format_ranks(c.nonfinite_ranks)}"
                 + (
-                    f"; the last finite loss logged was {c.last_loss:.4g}."
-                    if math.isfinite(c.last_loss)
+                    f"; the last finite loss before it was {c.loss_before_nonfinite:.4g}."
+                    if math.isfinite(c.loss_before_nonfinite)
                     else "."
                 )
             ),
@@ -597,13 +602,13 @@ def spike(a: RunAnalysis) -> list[Finding]:
 
 @rule("CONVERGENCE.NO_PROGRESS")
 def no_progress(a: RunAnalysis) -> list[Finding]:
-    """A "flat" (MED) or "worsening" (HIGH) trend, or an improving one that turned up (MED, `rise_start`) or
-    went flat (LOW, `plateau_start`);
+    """A "flat" (MED) or "worsening" (HIGH) trend; a loss that fell and turned up (MED, `rise_start`); an
+    improving one that went flat (LOW, `plateau_start`);
     the floors (t >= 3.9 one-sided, >= 5% change, >= 100 finite steps) live in convergence.py."""
     t = a.convergence.trend
     plateau = a.convergence.plateau
     rise = a.convergence.rise
-    if t.trend == "improving" and rise is not None:
+    if rise is not None:
         return [
             Finding(
                 code="CONVERGENCE.NO_PROGRESS",
@@ -612,7 +617,7 @@ def no_progress(a: RunAnalysis) -> list[Finding]:
                 detail=(
                     f"Its smoothed loss was lowest around step {rise.step} ({rise.lowest:.4g}) and ended at "
                     f"{rise.last:.4g} ({_pct((rise.last - rise.lowest) / abs(rise.lowest))} above it), a significant rise "
-                    f"(t = {rise.t:.1f}); the run as a whole reads as improving only because of its earlier fall."
+                    f"(t = {rise.t:.1f}); the run as a whole reads as {t.trend} only because of its earlier fall."
                 ),
                 recommendation=(
                     "A training loss that turns up after falling usually means the learning rate is too high for this "

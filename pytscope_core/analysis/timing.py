@@ -31,9 +31,9 @@ class Stall:
     """One step that took many times the median: who held it up, and where."""
 
     step: int
-    wall_ms: float  # the job's wall in that step
-    rank: int  # the rank with the most own work (wall less communication) in it
-    phase: str  # that rank's phase that grew most over its own median (communication aside)
+    wall_ms: float  # the stalled rank's wall in that step (a stall of the collective: the job's)
+    rank: int  # the rank whose own work (wall less communication) stalled (the collective: the least waiting)
+    phase: str  # that rank's phase that grew most over its own median (communication aside), or "comm"
     phase_ms: float  # that phase's time in the step
     others_waited: bool  # the other ranks spent most of the excess waiting in communication
 
@@ -176,46 +176,62 @@ def _typical_step(wall: np.ndarray, sel: np.ndarray, launch_size: np.ndarray | N
 def find_stalls(
     arrays: RunArrays, wall: np.ndarray, counted: np.ndarray, typical: np.ndarray
 ) -> tuple[tuple[Stall, ...], float, int]:
-    """Counted steps of at least STALL_FACTOR x the median and STALL_MIN_MS (a checkpoint or an evaluation
-    left out of `paused()`, a recompilation, a storage hiccup): the longest STALL_LISTED of them, each with the
-    rank whose own work made it and that rank's phase ("comm" when no rank's own work grew: every rank waited
-    in a collective), what all of them cost beyond the median step, as a share of the counted steps' wall,
-    and how many there are. `counted` (S,) bool: the steps judged; `typical` (S,): each one's
-    median step (`_typical_step`)."""
-    counted = np.flatnonzero(counted)
-    slow = counted[wall[counted] >= np.maximum(STALL_FACTOR * typical[counted], STALL_MIN_MS)]
-    if slow.size == 0:
+    """Stalls (a checkpoint or an evaluation left out of `paused()`, a recompilation, a storage hiccup): the
+    longest STALL_LISTED of them, what all of them cost beyond the typical step, as a share of the counted
+    steps' wall, and how many there are. `counted` (S,) bool: the steps judged; `typical` (S,): each one's
+    median step (`_typical_step`); `wall` (S,): the job's step wall (the mean over ranks).
+
+    A stall is a rank whose own work (wall less communication) in a counted step took at least STALL_FACTOR x
+    the typical step and STALL_MIN_MS. The other ranks wait for it in that step's collective, or in the next
+    step's when the stall came after the gradient all-reduce (a checkpoint before `optimizer.step()`), so the
+    next step's wait is part of the same stall, not another one, and the stall costs the stalled rank's
+    excess, once. A step that long for the job in which no rank's own work grew, and that does not wait for
+    an earlier stall, is a stall of the collective itself ("comm": every rank waited)."""
+    steps = np.flatnonzero(counted)
+    if steps.size == 0:
         return (), 0.0, 0
-    share = float((wall[slow] - typical[slow]).sum() / wall[counted].sum())
-    own_phases = [i for i, name in enumerate(PHASES) if name != "comm"]
     comm = PHASES.index("comm")
-    out = []
-    for i in slow[np.argsort(wall[slow])[::-1][:STALL_LISTED]]:
-        local = arrays.wall_ms[i] - arrays.phases[i, :, comm]  # each rank's own work in the step
-        r = int(np.argmax(np.where(np.isfinite(local), local, -np.inf)))
-        others = np.delete(arrays.phases[i, :, comm], r)
-        with np.errstate(invalid="ignore"), warnings.catch_warnings():
-            warnings.simplefilter(
-                "ignore", RuntimeWarning
-            )  # a phase without counted records, a rank without one
-            waited = bool(others.size) and bool(np.nanmin(others) >= 0.5 * (wall[i] - typical[i]))
-            usual = np.nanmedian(arrays.phases[counted, r][:, own_phases], axis=0)  # that rank's usual step
-        growth = np.nan_to_num(arrays.phases[i, r, own_phases] - usual, nan=-np.inf)
+    own_phases = [i for i, name in enumerate(PHASES) if name != "comm"]
+    waits = np.nan_to_num(arrays.phases[:, :, comm], nan=0.0)  # (S, R)
+    local = np.where(np.isfinite(arrays.wall_ms), arrays.wall_ms - waits, -np.inf)  # each rank's own work
+    bar = np.maximum(STALL_FACTOR * typical, STALL_MIN_MS)
+    own = steps[local[steps].max(axis=1) >= bar[steps]]
+    waited_on = np.isin(steps, own + 1)
+    collective = steps[(wall[steps] >= bar[steps]) & ~np.isin(steps, own) & ~waited_on]
+    with np.errstate(invalid="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # a rank without counted records
+        usual = np.nanmedian(arrays.phases[steps][:, :, own_phases], axis=0)  # (R, own phases)
+    out: list[Stall] = []
+    cost = 0.0
+    for i in own:
+        r = int(np.argmax(local[i]))
+        excess = float(local[i, r] - typical[i])
+        cost += excess
+        growth = np.nan_to_num(arrays.phases[i, r, own_phases] - usual[r], nan=-np.inf)
         p = own_phases[int(np.argmax(growth))]
-        waits = np.where(np.isfinite(arrays.phases[i, :, comm]), arrays.phases[i, :, comm], 0.0)
-        if not growth.max() >= 0.5 * (wall[i] - typical[i]) and waits.min() >= 0.5 * (wall[i] - typical[i]):
-            p, waited, r = comm, False, int(np.argmin(waits))  # no rank's own work made it: every rank waited
+        later = waits[i + 1] if i + 1 < waits.shape[0] else np.zeros_like(waits[i])
+        others = np.delete(np.maximum(waits[i], later), r)
+        waited = bool(others.size) and bool(others.min() >= 0.5 * excess)
         out.append(
             Stall(
                 int(arrays.steps[i]),
-                float(wall[i]),
+                float(arrays.wall_ms[i, r]),
                 int(arrays.ranks[r]),
                 PHASES[p],
                 float(arrays.phases[i, r, p]),
                 waited,
             )
         )
-    return tuple(out), share, int(slow.size)
+    for i in collective:
+        cost += float(wall[i] - typical[i])
+        r = int(np.argmin(np.where(np.isfinite(arrays.wall_ms[i]), waits[i], np.inf)))
+        out.append(
+            Stall(
+                int(arrays.steps[i]), float(wall[i]), int(arrays.ranks[r]), "comm", float(waits[i, r]), False
+            )
+        )
+    out.sort(key=lambda x: x.wall_ms, reverse=True)
+    return tuple(out[:STALL_LISTED]), cost / float(wall[steps].sum()), len(out)
 
 
 def _phase_that_grows(wall: np.ndarray, phase_ms: np.ndarray) -> tuple[str | None, float]:
