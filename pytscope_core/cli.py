@@ -152,7 +152,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     threshold = args.fail_on_regression
     if threshold is not None and comparison.regressed(threshold):
         print(
-            f"pytscope compare: median step time {comparison.median_change_pct:+.1f}% (more than {threshold:g}% slower)",
+            f"pytscope compare: {comparison.slowdown[0]} {comparison.slowdown[1]:+.1f}% (more than {threshold:g}% slower)",
             file=sys.stderr,
         )
         return EXIT_FINDINGS
@@ -295,7 +295,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--fail-on-regression",
         type=_nonnegative,
         metavar="PCT",
-        help="exit 1 if B's median step time is more than PCT percent slower than A's",
+        help="exit 1 if B is more than PCT percent slower than A: in time per sample when both runs recorded "
+        "their batch sizes, else in mean step time",
     )
 
     p = sub.add_parser("scaling", help="throughput, speedup and efficiency over runs at 1, 2, 4 ... workers")

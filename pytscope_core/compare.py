@@ -76,6 +76,12 @@ class Comparison:
     comm_note_b: str | None = None
     launches_a: tuple[int, ...] = ()  # each launch's number of ranks, when run A was resumed on another
     launches_b: tuple[int, ...] = ()
+    mean_ms_a: float = (
+        math.nan
+    )  # the mean step: what the job's wall time follows (the median hides rare slow steps)
+    mean_ms_b: float = math.nan
+    ms_per_sample_a: float = math.nan  # counted wall per sample, all ranks' samples: NaN when not recorded
+    ms_per_sample_b: float = math.nan
 
     @property
     def median_change_pct(self) -> float:
@@ -86,9 +92,26 @@ class Comparison:
     def p95_change_pct(self) -> float:
         return pct_change(self.p95_ms_a, self.p95_ms_b)
 
+    @property
+    def mean_change_pct(self) -> float:
+        return pct_change(self.mean_ms_a, self.mean_ms_b)
+
+    @property
+    def per_sample_change_pct(self) -> float:
+        return pct_change(self.ms_per_sample_a, self.ms_per_sample_b)
+
+    @property
+    def slowdown(self) -> tuple[str, float]:
+        """(what, percent) by which B is slower than A: the time per sample when both runs recorded their
+        batch sizes (a run with more samples per step is not slower for its longer steps), else the mean step
+        time (the median misses a slow step every tenth)."""
+        if math.isfinite(self.per_sample_change_pct):
+            return "time per sample", self.per_sample_change_pct
+        return "mean step time", self.mean_change_pct
+
     def regressed(self, threshold_pct: float) -> bool:
-        """True when the median step time got slower by more than `threshold_pct` percent."""
-        change = self.median_change_pct
+        """True when B is slower than A (`slowdown`) by more than `threshold_pct` percent."""
+        change = self.slowdown[1]
         return math.isfinite(change) and change > threshold_pct
 
     def to_dict(self) -> dict[str, Any]:
@@ -114,6 +137,13 @@ class Comparison:
                     "change_pct": self.median_change_pct,
                 },
                 "p95_ms": {"a": self.p95_ms_a, "b": self.p95_ms_b, "change_pct": self.p95_change_pct},
+                "mean_ms": {"a": self.mean_ms_a, "b": self.mean_ms_b, "change_pct": self.mean_change_pct},
+                "ms_per_sample": {
+                    "a": self.ms_per_sample_a,
+                    "b": self.ms_per_sample_b,
+                    "change_pct": self.per_sample_change_pct,
+                },
+                "slowdown": {"measure": self.slowdown[0], "change_pct": self.slowdown[1]},
                 "phases": {
                     p.name: {
                         "share_a": p.share_a,
@@ -154,8 +184,15 @@ def pct_change(a: float, b: float) -> float:
     return 100.0 * (b - a) / a
 
 
-def compare_summaries(a: Summary, b: Summary, name_a: str = "A", name_b: str = "B") -> Comparison:
-    """The comparison of two summaries (B relative to A); `compare_runs` summarises and delegates here."""
+def compare_summaries(
+    a: Summary,
+    b: Summary,
+    name_a: str = "A",
+    name_b: str = "B",
+    ms_per_sample: tuple[float, float] = (math.nan, math.nan),
+) -> Comparison:
+    """The comparison of two summaries (B relative to A); `compare_runs` summarises and delegates here.
+    `ms_per_sample`: each run's counted wall per sample, when its batch sizes were recorded."""
     phases_b = {p.name: p for p in b.timing.phases}
     nan = math.nan
     phases = []
@@ -210,6 +247,10 @@ def compare_summaries(a: Summary, b: Summary, name_a: str = "A", name_b: str = "
         comm_note_b=b.run.comm_note,
         launches_a=_launches(a),
         launches_b=_launches(b),
+        mean_ms_a=a.timing.mean_ms,
+        mean_ms_b=b.timing.mean_ms,
+        ms_per_sample_a=ms_per_sample[0],
+        ms_per_sample_b=ms_per_sample[1],
     )
 
 
@@ -220,9 +261,15 @@ def _launches(s: Summary) -> tuple[int, ...]:
 
 def compare_runs(run_a: Run, run_b: Run) -> Comparison:
     """What changed from run A to run B: step time, phase shares, per-rank local work, findings."""
+    from .scaling import counted_work
+
     sa = summarize(run_a.arrays, run_a.context, extra_findings=tuple(run_a.extra_findings))
     sb = summarize(run_b.arrays, run_b.context, extra_findings=tuple(run_b.extra_findings))
-    return compare_summaries(sa, sb, str(run_a.path), str(run_b.path))
+    per_sample = []
+    for run in (run_a, run_b):
+        seconds, _, samples, _ = counted_work(run)
+        per_sample.append(1e3 * seconds / samples if samples > 0 else math.nan)
+    return compare_summaries(sa, sb, str(run_a.path), str(run_b.path), (per_sample[0], per_sample[1]))
 
 
 def _fmt(x: float, fmt: str = ".2f", unit: str = "") -> str:
@@ -273,6 +320,14 @@ def render_comparison(c: Comparison) -> RenderableType:
         timing.add_column(name, justify="left" if not name else "right")
     timing.add_row("median step ms", _fmt(c.median_ms_a), _fmt(c.median_ms_b), _signed(c.median_change_pct))
     timing.add_row("p95 step ms", _fmt(c.p95_ms_a), _fmt(c.p95_ms_b), _signed(c.p95_change_pct))
+    timing.add_row("mean step ms", _fmt(c.mean_ms_a), _fmt(c.mean_ms_b), _signed(c.mean_change_pct))
+    if math.isfinite(c.ms_per_sample_a) or math.isfinite(c.ms_per_sample_b):
+        timing.add_row(
+            "ms per sample",
+            _fmt(c.ms_per_sample_a, ".4f"),
+            _fmt(c.ms_per_sample_b, ".4f"),
+            _signed(c.per_sample_change_pct),
+        )
     parts += [Text("\nStep time", style="bold underline"), timing]
 
     phases = Table(box=None, pad_edge=False)

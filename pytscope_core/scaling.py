@@ -106,7 +106,7 @@ class Scaling:
         return dict(_plain(out))
 
 
-def _counted_work(run: Run) -> tuple[float, float, float, float | None]:
+def counted_work(run: Run) -> tuple[float, float, float, float | None]:
     """(counted wall seconds, counted steps, counted samples or NaN, median per-rank samples per step)."""
     a = run.arrays
     sel = statistics_steps(a)
@@ -168,7 +168,7 @@ def scaling_points(runs: Sequence[Run], target_loss: float | None = None, weak: 
         summarize(r.arrays, r.context, extra_findings=tuple(r.extra_findings)) for r in runs
     ]
     order = sorted(range(len(runs)), key=lambda i: (summaries[i].run.world_size, str(runs[i].path)))
-    work = [_counted_work(runs[i]) for i in order]
+    work = [counted_work(runs[i]) for i in order]
     use_samples = all(math.isfinite(w[2]) for w in work)
     unit = "samples/s" if use_samples else "steps/s"
     throughputs = [(w[2] if use_samples else w[1]) / w[0] if w[0] > 0 else math.nan for w in work]

@@ -49,6 +49,36 @@ def test_known_slowdown(pair):
     assert c.regressed(10.0) and not c.regressed(25.0)
 
 
+def test_a_slow_step_every_tenth_is_a_regression_the_median_hides(tmp_path, capsys):
+    # Rank 1's forward takes 50 ms more every 10th step; the others wait in the all-reduce. The median step
+    # does not move, the job's wall time grows by half.
+    a = phases_of(STEPS, 2, {"data": 1.0, "forward": 4.0, "backward": 4.0, "comm": 0.5, "optimizer": 0.5})
+    b = a.copy()
+    b[::10, 1, 1] += 50.0
+    b[::10, 0, 3] += 50.0
+    run_a, run_b = write_run(tmp_path / "a", a), write_run(tmp_path / "b", b)
+    c = compare_runs(load_run(run_a), load_run(run_b))
+    assert c.median_change_pct == pytest.approx(0.0)
+    assert c.slowdown == ("mean step time", pytest.approx(50.0, abs=2))
+    assert main(["compare", str(run_a), str(run_b), "--fail-on-regression", "10"]) == 1
+    assert "mean step time +" in capsys.readouterr().err
+
+
+def test_more_samples_per_step_is_not_a_regression(tmp_path):
+    # Gradient accumulation 1 -> 4: steps 3.5x longer, 4x the samples: faster per sample.
+    a = phases_of(STEPS, 2, {"data": 0.5, "forward": 1.0, "backward": 1.0, "comm": 0.3, "optimizer": 0.2})
+    b = phases_of(STEPS, 2, {"data": 2.0, "forward": 4.0, "backward": 4.0, "comm": 1.0, "optimizer": 0.5})
+    c = compare_runs(
+        load_run(write_run(tmp_path / "a", a, samples=32.0)),
+        load_run(write_run(tmp_path / "b", b, samples=128.0)),
+    )
+    assert c.median_change_pct > 200
+    what, change = c.slowdown
+    assert what == "time per sample" and change == pytest.approx(100 * (11.5 / 128 / (3.0 / 32) - 1))
+    assert not c.regressed(0.0)
+    assert c.to_dict()["timing"]["ms_per_sample"]["a"] == pytest.approx(3.0 / 64)
+
+
 def test_findings_that_appeared_and_disappeared(pair):
     c = compare_runs(load_run(pair[0]), load_run(pair[1]))
     appeared = {f.key for f in c.appeared}
