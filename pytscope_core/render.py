@@ -137,6 +137,8 @@ def render_convergence(summary: Summary) -> RenderableType:
         + (
             f" ({100 * c.trend.relative_change:+.1f}%, t = {c.trend.t:.1f})"
             if math.isfinite(c.trend.t)
+            else " (no loss was logged: pass it to scope.log(loss=...); under Lightning, return it from training_step)"
+            if c.trend.trend == "unknown" and not math.isfinite(c.first_loss) and c.nonfinite_step is None
             else f" ({c.trend.finite_steps} finite losses past warm-up; a trend needs {TREND_MIN_STEPS})"
             if c.trend.trend == "unknown"
             else ""

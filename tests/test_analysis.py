@@ -561,9 +561,13 @@ def test_tiny_runs_summarize(steps, ranks):
 
 def test_all_nan_loss_and_memory_summarize():
     arrays = make_run(200, 2, loss=np.full(200, np.nan))
-    d = summarize(arrays, RunContext(world_size=2)).to_dict()
+    summary = summarize(arrays, RunContext(world_size=2))
+    d = summary.to_dict()
     assert d["convergence"]["first_loss"] is None and d["convergence"]["nonfinite_step"] is None
     json.dumps(d, allow_nan=False)
+    console = Console(file=io.StringIO(), width=200, color_system=None)
+    console.print(render_convergence(summary))  # no loss at all is not "0 finite losses"
+    assert "no loss was logged: pass it to scope.log(loss=...)" in console.file.getvalue()
 
 
 def test_summary_keys_and_phase_shares_sum_to_one():
