@@ -42,6 +42,13 @@ FORWARD_UNSEEN = (
 )
 
 
+LOADER_UNSEEN = (
+    "the loader given to watch() was not iterated before the first optimizer step (one from before "
+    "accelerator.prepare()?), so steps are timed from the model's forward and the wait for data is in `other`: "
+    "watch the loader the training loop iterates"
+)
+
+
 def unwrap_optimizer(optimizer: Any) -> Any:
     """The torch optimizer inside Lightning's or Accelerate's wrapper (those step only on real steps)."""
     for attr in ("_optimizer", "optimizer"):
@@ -110,9 +117,14 @@ class TorchHooks:
         """At the first optimizer step: a step without the watched model's training forward means the model
         was compiled after `watch` (its wrapper steps aside inside compiled code). Compiled in place, its
         compiled call is wrapped now (no FLOPs are counted once anything is compiled: `FlopEstimate.begin`);
-        compiled into a new module, which pytscope cannot see, that is said once."""
+        compiled into a new module, which pytscope cannot see, that is said once. No step open at all: the
+        watched loader is not the one the loop iterates, and the forwards open the steps from now on."""
         self._forward_checked = True
         rec = self.recorder
+        if self.loader_watched and not rec.in_step:
+            self.loader_watched = False
+            self._warn(LOADER_UNSEEN)
+            return
         if not self.wrappers or (rec.in_step and rec.completed[2] > rec.micro_batches):
             return
         if not self.wrappers.follow_compiled():
@@ -123,7 +135,8 @@ class TorchHooks:
         all-gathers and reduce-scatters of its sharded units (`fsdp.FSDPCommTimer`)."""
         units = fsdp2_units(model)
         if units and self.sharded is None:
-            self.sharded = FSDPCommTimer(self.recorder, self._recording, self._in_backward, self._on_error)
+            recording, in_backward = (lambda: self.recording), (lambda: self.backward.in_backward)
+            self.sharded = FSDPCommTimer(self.recorder, recording, in_backward, self._on_error)
             self.sharded.watch(units)
         self.backward.watch(model, grad_hooks=not units)
 
@@ -221,13 +234,6 @@ class TorchHooks:
         if ddp is not None:
             return bool(ddp.require_backward_grad_sync)
         return self.sharded is not None and self.sharded.sync_expected()
-
-    def _recording(self) -> bool:
-        """Training time is recorded now: the scope works and no pause (evaluation, an epoch end) is open."""
-        return self.recording
-
-    def _in_backward(self) -> bool:
-        return self.backward.in_backward
 
     def forward_begin(self) -> None:
         """Start of a micro-batch's forward, for integrations that see the loop (the wrapper does it itself)."""

@@ -644,3 +644,27 @@ def test_watch_after_finish_says_the_scope_has_ended_and_installs_nothing(tmp_pa
     fresh = torch.nn.Linear(8, 1)
     assert scope.watch(fresh, opt) is scope
     assert "watch() after finish()" in capsys.readouterr().err and "forward" not in fresh.__dict__
+
+
+def test_a_watched_loader_the_loop_never_iterates_is_said_and_the_forwards_time_the_steps(tmp_path, capsys):
+    # As under Accelerate with the loader from before accelerator.prepare() watched and the prepared one
+    # iterated: the watched loader opens no step, so without the fallback nothing at all was recorded.
+    torch.manual_seed(0)
+    x = torch.randn(40 * 16, 8)
+    y = x @ torch.randn(8, 1)
+    watched, iterated = (DataLoader(TensorDataset(x, y), batch_size=16) for _ in range(2))
+    model = torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scope = Scope(tmp_path, console=False, hang_timeout=None, interval=25).watch(model, opt, watched)
+    for xb, yb in iterated:
+        loss = torch.nn.functional.mse_loss(model(xb), yb)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        scope.log(loss=loss)
+    scope.finish()
+    err = capsys.readouterr().err
+    assert "the loader given to watch() was not iterated before the first optimizer step" in err
+    assert "compiled" not in err  # not blamed on torch.compile
+    arrays = load_run(tmp_path).arrays
+    assert arrays.n_steps == 39 and (arrays.samples == 16).all()  # from the second step on
