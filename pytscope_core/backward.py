@@ -1,7 +1,8 @@
-"""Backward and exposed gradient communication, timed from the autograd engine with nothing per step.
+"""Backward and exposed gradient communication, timed from the autograd engine: one hook per step.
 
-Persistent gradient-ready hooks on the parameters whose gradients come first mark the start of backward and
-queue an autograd engine final callback. That callback runs when the graph has finished computing ("graph
+A pre-hook on the autograd node of each forward's output marks the start of backward (persistent
+gradient-ready hooks on the parameters whose gradients come first do, where the loss came from another
+output) and queues an autograd engine final callback. That callback runs when the graph has finished computing ("graph
 done") and before DDP's own finalize, which waits for the gradient all-reduce; a second callback queued from
 the first runs after that wait. So `comm` = exposed gradient communication including any wait for slower
 peers, with no Python on DDP's per-bucket path (docs/MEASUREMENTS.md, items 1-3).
@@ -54,19 +55,21 @@ class BackwardTimer:
         self._grad_hooks: list[tuple[Any, Any]] = []  # (param, handle) watching for backward's first gradient
         self._kept: set[int] = set()  # ids of the parameters whose hooks stay after learning
         self._ready_order: list[Any] | None = None  # a learning backward: the order gradients became ready
+        self._from_output = False  # this backward began at the output's pre-hook (not a parameter's hook)
+        self._relearning = False  # learning again after a backward that no hook saw
         self._relearn_left = RELEARN_LIMIT
         self._queue_callback: Callable[[Callable[[], None]], None] | None = None
 
     def watch(self, model: Any, grad_hooks: bool = True) -> None:
-        """Hook the parameters of `model` whose gradients become ready first.
-
-        A per-step hook on the output tensor costs ~13 us to register; a persistent one on a parameter costs
-        ~1 us to fire. The first backward hooks every parameter to learn which gradients become ready first,
-        then keeps the first few only: any parameter ready before the last one queues the graph-done callback
-        ahead of DDP's finalize, which DDP queues when its last bucket becomes ready. A backward that none of
-        the kept hooks saw learns again (`settle`), keeping the first gradients of that branch too. With
-        `grad_hooks=False` (FSDP2, whose sharded parameters' hooks fire only after each unit's reduce-scatter,
-        called by FSDP itself) backward is timed from a hook on the output instead (`forward_done`).
+        """Learn from the parameters of `model` where backwards begin that the output's pre-hook
+        (`forward_done`) does not see (the loss came from another of the model's outputs). The first backward
+        hooks every parameter; if the output's pre-hook began it, no parameter hook stays (each Python hook
+        in backward costs 10-20 us, the engine's trip back into Python); else the first few parameters ready
+        keep theirs: any parameter ready before the last one queues the graph-done callback ahead of DDP's
+        finalize, which DDP queues when its last bucket becomes ready. A backward that no hook saw learns
+        again (`settle`), keeping the first gradients of that branch too. With `grad_hooks=False` (FSDP2,
+        whose sharded parameters' hooks fire only after each unit's reduce-scatter, called by FSDP itself)
+        backward is timed from the output's pre-hook alone.
         """
         self._queue_callback = _engine_queue_callback()
         if not grad_hooks:
@@ -86,16 +89,19 @@ class BackwardTimer:
         self._ready_order = []
 
     def forward_done(self, output: Any, grad_sync: bool) -> None:
-        """A micro-batch's forward ended; without parameter hooks, its backward is timed from `output`."""
+        """A micro-batch's forward ended. Its backward begins where the gradient reaches `output` (its first
+        tensor that will receive one): a pre-hook on that tensor's autograd node, about 2 us to register, is
+        the one thing registered per step, and usually the one Python hook in backward. The parameter hooks alone would start backward only once the first
+        parameter's gradient is accumulated, after the gradient of the layer that made the output: a large
+        output layer's (a language model's vocabulary projection) would be charged to `other`."""
         self.settle()
         self._sync_pending = grad_sync
         self._awaiting = True
-        if not self._grad_hooks and output is not None:
-            t = first_grad_tensor(output)
-            if t is not None:
-                if self._queue_callback is None:
-                    self._queue_callback = _engine_queue_callback()
-                t.register_hook(self._output_grad)
+        t = first_grad_tensor(output) if output is not None else None
+        if t is not None:
+            if self._queue_callback is None:
+                self._queue_callback = _engine_queue_callback()
+            t.grad_fn.register_prehook(self._output_grad)
 
     def settle(self) -> None:
         """The last forward's backward has run by now (the next forward ended, or the optimizer steps). If no
@@ -107,8 +113,9 @@ class BackwardTimer:
         if self._sync_pending:
             self._sync_pending = False
             self.recorder.count_grad_sync()
-        if self._grad_hooks and self._ready_order is None and self._relearn_left > 0:
+        if self._params and self._ready_order is None and self._relearn_left > 0:
             self._relearn_left -= 1
+            self._relearning = True
             self._learn()
 
     def remove(self) -> None:
@@ -132,13 +139,16 @@ class BackwardTimer:
             if self._ready_order is not None:
                 self._ready_order.append(param)
             if not self.in_backward:  # the later hooks of this backward: nothing to do, and no call
+                self._from_output = False
                 self.begin()
         except Exception as exc:
             self._on_error(exc)
 
-    def _output_grad(self, grad: Any) -> None:
+    def _output_grad(self, grad_outputs: Any) -> None:
         try:
-            self.begin()
+            if not self.in_backward:
+                self._from_output = True
+                self.begin()
         except Exception as exc:
             self._on_error(exc)
 
@@ -157,17 +167,19 @@ class BackwardTimer:
             self._on_error(exc)
 
     def _keep_first_ready(self, keep: int = 2) -> None:
-        # A few, not one: a parameter unused in some step must not leave that backward untimed. Those kept
-        # after earlier learning stay: each is the first gradient of some branch of the model.
+        # A backward the output's pre-hook began needs no parameter hook. Else a few, not one: a parameter
+        # unused in some step must not leave that backward untimed. Those kept after earlier learning stay:
+        # each is the first gradient of some branch of the model that the output's pre-hook does not see.
         order, self._ready_order = self._ready_order or [], None
-        first = {id(p) for p in order[:keep]}
-        if not first:
+        first = set() if self._from_output else {id(p) for p in order[:keep]}
+        if not (first or self._from_output):
             return
-        if self._kept and first <= self._kept and self._relearn_left > 0:
-            # Learning after an unseen backward, but this one went through a known branch: learn again.
+        if self._relearning and self._relearn_left > 0 and (self._from_output or first <= self._kept):
+            # Learning after an unseen backward, but this one was seen all the same: learn again.
             self._relearn_left -= 1
             self._ready_order = []
             return
+        self._relearning = False
         self._kept |= first
         kept = []
         for p, handle in self._grad_hooks:

@@ -508,32 +508,53 @@ def test_user_code_that_mocks_the_clock_does_not_blind_the_watchdog(tmp_path):
     assert proc.returncode == HANG_EXIT_CODE, proc.stderr
 
 
-def test_a_backward_through_a_head_the_hooks_have_not_seen_is_learnt_at_its_next_use(tmp_path):
-    # Multi-task heads used in turn: the gradient hooks kept after the first backward are all in head 0.
-    class TwoHeads(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.trunk = torch.nn.Linear(8, 16)
-            self.heads = torch.nn.ModuleList([torch.nn.Linear(16, 1), torch.nn.Linear(16, 1)])
+class TwoHeads(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.trunk = torch.nn.Linear(8, 16)
+        self.heads = torch.nn.ModuleList([torch.nn.Linear(16, 1), torch.nn.Linear(16, 1)])
 
-        def forward(self, x, head):
-            return self.heads[head](self.trunk(x))
+    def forward(self, x, head=None):
+        h = self.trunk(x)
+        return self.heads[head](h) if head is not None else (self.heads[0](h), self.heads[1](h))
 
+
+def _timed_backwards(tmp_path, losses):
+    """Train TwoHeads with each step's loss from `losses` (a function of the model and its input): which
+    steps' backwards were timed, and the parameters whose gradient hooks stayed."""
     model = TwoHeads()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     scope = Scope(tmp_path, console=False, hang_timeout=None, interval=1000)
     scope.watch(model, opt)
-    heads = [0, 0, 1, 0, 1, 1, 0, 1]
-    for head in heads:
-        model(torch.randn(4, 8), head).sum().backward()
+    for loss in losses:
+        loss(model, torch.randn(4, 8)).backward()
         opt.step()
         opt.zero_grad()
     scope.recorder.close()
     timed = [int(Mark.BACKWARD_BEGIN) in step.marks for step in scope.recorder.window]
-    assert timed == [True, True, False, True, True, True, True, True]  # head 1's first use went unseen
     hooked = {id(p) for p, _ in scope.hooks.backward._grad_hooks}
-    assert hooked == {id(p) for p in model.heads.parameters()}  # both heads' first gradients, not the trunk
     scope.finish()
+    return model, timed, hooked
+
+
+def test_each_backward_is_timed_from_the_output_and_needs_no_parameter_hook(tmp_path):
+    # Multi-task heads used in turn, each forward returning the head's output: every backward begins there.
+    def head(i):
+        return lambda model, x: model(x, i).sum()
+
+    _, timed, hooked = _timed_backwards(tmp_path, [head(i) for i in (0, 0, 1, 0, 1, 1, 0, 1)])
+    assert all(timed) and hooked == set()
+
+
+def test_a_backward_from_an_output_the_hook_is_not_on_is_learnt_at_its_next_use(tmp_path):
+    # The model returns both heads' outputs; the pre-hook is on the first. Losses from head 1 alone go unseen
+    # the first time, then head 1's first gradients keep their hooks (not the trunk's, not head 0's).
+    def head(i):
+        return lambda model, x: model(x)[i].sum()
+
+    model, timed, hooked = _timed_backwards(tmp_path, [head(i) for i in (0, 0, 1, 0, 1, 1, 0, 1)])
+    assert timed == [True, True, False, True, True, True, True, True]
+    assert hooked == {id(p) for p in model.heads[1].parameters()}
 
 
 def test_a_new_run_into_a_directory_that_holds_a_run_goes_beside_it(tmp_path, capsys):
@@ -668,3 +689,31 @@ def test_a_watched_loader_the_loop_never_iterates_is_said_and_the_forwards_time_
     assert "compiled" not in err  # not blamed on torch.compile
     arrays = load_run(tmp_path).arrays
     assert arrays.n_steps == 39 and (arrays.samples == 16).all()  # from the second step on
+
+
+def test_backward_starts_where_the_gradient_reaches_the_output_so_a_large_head_is_backward(tmp_path):
+    # A vocabulary-sized output layer: most of backward is its two gradient matmuls, done before any
+    # parameter's gradient is accumulated. Timed from the parameters' hooks alone, that was `other` (5% of
+    # loss.backward() was `backward` in a 32k-vocabulary run).
+    torch.manual_seed(0)
+    vocab = 8000
+    model = torch.nn.Sequential(
+        torch.nn.Embedding(vocab, 128), torch.nn.Linear(128, 128), torch.nn.Linear(128, vocab)
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = torch.randint(0, vocab, (256,)), torch.randint(0, vocab, (256,))
+    scope = Scope(tmp_path, console=False, hang_timeout=None, interval=10, warmup=2).watch(model, opt)
+    measured = []
+    for _ in range(30):
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        t0 = time.perf_counter()
+        loss.backward()
+        measured.append(1e3 * (time.perf_counter() - t0))
+        opt.step()
+        opt.zero_grad()
+        scope.log(loss=loss)
+    scope.finish()
+    run = load_run(tmp_path)
+    phases = summarize(run.arrays, run.context).to_dict()["timing"]["phases"]
+    assert phases["backward"]["median_ms"] > 0.6 * float(np.median(measured[2:]))
+    assert phases["other"]["median_ms"] < phases["backward"]["median_ms"]
