@@ -56,7 +56,7 @@ class ScopeCallback(Callback):
     options are those of `pytscope_core.ScopeOptions` (validated here, in the user's process). Steps are
     numbered as Lightning's loggers number them (`trainer.global_step` while the step runs). Each fit is
     recorded: a later fit of the same trainer continues the run as a new segment, a fit of a new trainer
-    starts a new run. After the fit, `callback.scope.summary` holds rank 0's summary (under `ddp_spawn` the fit
+    starts a new run, unless it resumes a checkpoint, whose run it continues. After the fit, `callback.scope.summary` holds rank 0's summary (under `ddp_spawn` the fit
     ran in other processes: read the run directory instead, e.g. `pytscope report`).
     """
 
@@ -67,6 +67,7 @@ class ScopeCallback(Callback):
         self._restored: dict[str, Any] | None = None
         self._stage: str | None = None  # the trainer's current stage, from setup() ("fit", "validate" ...)
         self._fits = 0
+        self._precision: str | None = None  # the trainer's training precision, from setup()
         self._fetch_timed = False  # the wait for data is bracketed by the training loop's fetch hooks
 
     # -- pickling (ddp_spawn) and checkpoints -------------------------------------------------------------
@@ -85,6 +86,10 @@ class ScopeCallback(Callback):
         if self._stage not in (None, "fit") or not state_dict:
             return
         if self.scope is not None and not self.scope.finished:
+            if self.scope.options.run_dir != self.options.run_dir:
+                # A new trainer (set up at step 0, so given a run of its own) resuming a checkpoint: the
+                # checkpoint's run continues instead, as a fresh process resuming it would.
+                self.scope = self._new_scope(self.options)
             self.scope.load_state_dict(dict(state_dict))
         else:
             self._restored = dict(state_dict)
@@ -101,14 +106,16 @@ class ScopeCallback(Callback):
             # A new trainer starts counting again: its steps would collide with the first fit's.
             base = options.run_dir or previous["run_dir"]
             options = options.replace(run_dir=f"{base}-fit{self._fits}")
-        self.scope = Scope(
-            options=options, integration="lightning", step_origin=0, precision=_precision(trainer)
-        )
+        self._precision = _precision(trainer)
+        self.scope = self._new_scope(options)
         restored, self._restored = self._restored, None
         if restored:
             self.scope.load_state_dict(restored)
         elif previous is not None and options.run_dir == self.options.run_dir:
             self.scope.load_state_dict({**previous, "run_dir": previous["run_dir"]})
+
+    def _new_scope(self, options: ScopeOptions) -> Scope:
+        return Scope(options=options, integration="lightning", step_origin=0, precision=self._precision)
 
     @_guarded
     def on_train_start(self, scope: Scope, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

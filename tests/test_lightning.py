@@ -321,6 +321,20 @@ def test_every_fit_is_recorded(tmp_path: Path) -> None:
     assert _summary(second)["run"]["steps"] == 20
 
 
+def test_a_new_trainer_resuming_a_checkpoint_continues_its_run(tmp_path: Path) -> None:
+    # 30 steps with a checkpoint at step 20, then a new trainer with the same callback from that checkpoint
+    # to step 40: one run of two segments (steps 20-29 replayed, counted once), not a run of its own.
+    run_dir = tmp_path / "run"
+    _run(
+        JOB, "--run-dir", run_dir, "--steps", 30, "--interval", 10, "--ckpt-every", 20, "--ckpt-dir",
+        tmp_path / "ckpt", "--refit-from", tmp_path / "ckpt" / "epoch=0-step=20.ckpt", "--refit-steps", 40,
+        cwd=tmp_path,
+    )  # fmt: skip
+    summary = _summary(run_dir)
+    assert summary["run"]["steps"] == 40 and summary["run"]["restarts"] == 1, summary["run"]
+    assert not (tmp_path / "run-fit2").exists()
+
+
 def test_validation_and_checkpoints_are_not_charged_to_steps_from_their_first_to_their_last_line(
     tmp_path: Path,
 ) -> None:

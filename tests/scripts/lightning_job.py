@@ -211,6 +211,12 @@ def main() -> None:
     p.add_argument("--inf-from", type=int, default=0, help="the loss is infinite from this global step on")
     p.add_argument("--manual", action="store_true", help="manual optimization with two optimizers")
     p.add_argument("--fits", type=int, default=1, help="fit this many times with the same callback")
+    p.add_argument(
+        "--refit-from",
+        default=None,
+        help="then fit a new trainer with the same callback from this checkpoint",
+    )
+    p.add_argument("--refit-steps", type=int, default=0, help="that fit's max_steps")
     p.add_argument("--refit-to", type=int, default=0, help="then fit the same trainer again, to this step")
     p.add_argument("--validate-first", default=None, help="trainer.validate(ckpt_path=this) before the fit")
     p.add_argument(
@@ -296,6 +302,9 @@ def main() -> None:
     for _ in range(args.fits - 1):
         trainer = make_trainer(args.steps)  # a new trainer with the same callback: a new run
         trainer.fit(Job(args))
+    if args.refit_from:
+        trainer = make_trainer(args.refit_steps)  # a new trainer resuming a checkpoint: the same run
+        trainer.fit(Job(args), ckpt_path=args.refit_from)
     if args.result and trainer.is_global_zero:
         result.update(
             global_step=trainer.global_step,
