@@ -192,25 +192,37 @@ def find_stalls(
         return (), 0.0, 0
     comm = PHASES.index("comm")
     own_phases = [i for i, name in enumerate(PHASES) if name != "comm"]
-    waits = np.nan_to_num(arrays.phases[:, :, comm], nan=0.0)  # (S, R)
-    local = np.where(np.isfinite(arrays.wall_ms), arrays.wall_ms - waits, -np.inf)  # each rank's own work
     bar = np.maximum(STALL_FACTOR * typical, STALL_MIN_MS)
-    own = steps[local[steps].max(axis=1) >= bar[steps]]
-    waited_on = np.isin(steps, own + 1)
-    collective = steps[(wall[steps] >= bar[steps]) & ~np.isin(steps, own) & ~waited_on]
-    with np.errstate(invalid="ignore"), warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # a rank without counted records
-        usual = np.nanmedian(arrays.phases[steps][:, :, own_phases], axis=0)  # (R, own phases)
+
+    def local(i: int) -> np.ndarray:  # each rank's own work in step i (-inf: no record)
+        row = arrays.wall_ms[i] - np.nan_to_num(arrays.phases[i, :, comm], nan=0.0)
+        return np.where(np.isfinite(row), row, -np.inf)
+
+    # A step's most own work (no (S, R) temporary beyond one slice: this runs over every counted step).
+    most = np.fmax.reduce(
+        arrays.wall_ms[steps] - np.nan_to_num(arrays.phases[steps, :, comm], nan=0.0), axis=1
+    )
+    with np.errstate(invalid="ignore"):
+        own = steps[most >= bar[steps]]
+        collective = steps[(wall[steps] >= bar[steps]) & ~np.isin(steps, own) & ~np.isin(steps, own + 1)]
+    usual: dict[int, np.ndarray] = {}  # per stalled rank: its median own phases over the counted steps
     out: list[Stall] = []
     cost = 0.0
     for i in own:
-        r = int(np.argmax(local[i]))
-        excess = float(local[i, r] - typical[i])
+        row = local(i)
+        r = int(np.argmax(row))
+        excess = float(row[r] - typical[i])
         cost += excess
+        if r not in usual:
+            with np.errstate(invalid="ignore"), warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)  # a phase without counted records
+                usual[r] = np.nanmedian(arrays.phases[steps, r][:, own_phases], axis=0)
         growth = np.nan_to_num(arrays.phases[i, r, own_phases] - usual[r], nan=-np.inf)
         p = own_phases[int(np.argmax(growth))]
-        later = waits[i + 1] if i + 1 < waits.shape[0] else np.zeros_like(waits[i])
-        others = np.delete(np.maximum(waits[i], later), r)
+        waits = np.nan_to_num(arrays.phases[i : i + 2, :, comm], nan=0.0).max(
+            axis=0
+        )  # this step's or the next
+        others = np.delete(waits, r)
         waited = bool(others.size) and bool(others.min() >= 0.5 * excess)
         out.append(
             Stall(
@@ -224,11 +236,12 @@ def find_stalls(
         )
     for i in collective:
         cost += float(wall[i] - typical[i])
-        r = int(np.argmin(np.where(np.isfinite(arrays.wall_ms[i]), waits[i], np.inf)))
+        waits = np.where(
+            np.isfinite(arrays.wall_ms[i]), np.nan_to_num(arrays.phases[i, :, comm], nan=0.0), np.inf
+        )
+        r = int(np.argmin(waits))
         out.append(
-            Stall(
-                int(arrays.steps[i]), float(wall[i]), int(arrays.ranks[r]), "comm", float(waits[i, r]), False
-            )
+            Stall(int(arrays.steps[i]), float(wall[i]), int(arrays.ranks[r]), "comm", float(waits[r]), False)
         )
     out.sort(key=lambda x: x.wall_ms, reverse=True)
     return tuple(out[:STALL_LISTED]), cost / float(wall[steps].sum()), len(out)
