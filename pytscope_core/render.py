@@ -214,6 +214,15 @@ def render_distributed(summary: Summary) -> RenderableType:
     ]
     if omitted:
         parts.append(Text(f"... {omitted} ranks omitted (showing the slowest 8 and fastest 4 by local work)"))
+    if d.intermittent is not None:
+        w = d.intermittent
+        parts.append(
+            Text(
+                f"rank {w.rank} is slow now and then: {w.steps} of the {w.slow_steps} steps of 1.5x the median, "
+                f"+{w.extra_ms:.2f} ms of its own work (most in {w.phase})"
+                + (f", every {w.every} steps" if w.every else "")
+            )
+        )
     return Group(*parts)
 
 

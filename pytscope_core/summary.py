@@ -138,6 +138,16 @@ class Summary:
                     for i, r in enumerate(d.per_rank)
                 ],
                 "stragglers": list(d.stragglers),
+                "intermittent": {
+                    "rank": d.intermittent.rank,
+                    "phase": d.intermittent.phase,
+                    "extra_ms": d.intermittent.extra_ms,
+                    "steps": d.intermittent.steps,
+                    "slow_steps": d.intermittent.slow_steps,
+                    "every": d.intermittent.every,
+                }
+                if d.intermittent is not None
+                else None,
                 "transfer_ms": d.transfer_ms,
                 "transfer_share": d.transfer_share,
                 "sync_wait_share": d.sync_wait_share,

@@ -15,7 +15,7 @@ from pytscope_core.arrays import RunArrays
 from pytscope_core.context import CountsCheck, ReplicaCheck, RunContext, Segment
 from pytscope_core.findings import Severity
 from pytscope_core.records import COL, NCOLS
-from pytscope_core.render import render_convergence
+from pytscope_core.render import render_convergence, render_distributed
 from pytscope_core.summary import summarize
 
 TRANSFER_MS = 0.5
@@ -148,6 +148,48 @@ def test_a_step_stalled_on_one_rank_is_named_with_its_rank_and_phase():
     # ...and 10x the median under 100 ms is not a stall at all.
     ph[1000, :, 5] = 9.0
     assert analyze(RunArrays.from_arrays(ph), RunContext(world_size=2)).timing.stalls == ()
+
+
+def test_a_rank_slow_every_tenth_step_is_named_by_the_jitter_finding():
+    # Rank 1's forward takes 50 ms more every 10th step, the other rank waits in its all-reduce: the medians
+    # do not move (no DIST.STRAGGLER), the job loses a third of its wall time.
+    ph = np.zeros((300, 2, 6))
+    ph[:, :, 1], ph[:, :, 2], ph[:, :, 3] = 4.0, 5.0, 1.0
+    ph[9::10, 1, 1] += 50.0
+    ph[9::10, 0, 3] += 50.0
+    a = analyze(RunArrays.from_arrays(ph), RunContext(world_size=2))
+    who = a.distributed.intermittent
+    assert who is not None and (who.rank, who.phase, who.every) == (1, "forward", 10)
+    assert who.extra_ms == pytest.approx(50.0) and who.steps == who.slow_steps
+    found = {f.code: f for f in run_rules(a)}
+    assert "DIST.STRAGGLER" not in found
+    jitter = found["TIMING.JITTER"]
+    assert jitter.ranks == (1,) and jitter.title == "Step time is unstable: rank 1 is slow now and then"
+    assert "every 10 steps" in jitter.detail and "most in `forward`" in jitter.detail
+    assert "TIMING.JITTER" in found["EFFICIENCY.RECOVERABLE"].recommendation
+    summary = summarize(RunArrays.from_arrays(ph), RunContext(world_size=2))
+    assert summary.to_dict()["distributed"]["intermittent"]["every"] == 10
+    console = Console(file=io.StringIO(), width=200, color_system=None)
+    console.print(render_distributed(summary))
+    assert "rank 1 is slow now and then: 30 of the 30 steps of 1.5x the median" in console.file.getvalue()
+    # Every 20th step, 30 ms: still rank 1's, every 20 steps.
+    ph[:, :, :] = 0.0
+    ph[:, :, 1], ph[:, :, 2], ph[:, :, 3] = 4.0, 5.0, 1.0
+    ph[19::20, 1, 1] += 30.0
+    ph[19::20, 0, 3] += 30.0
+    who = analyze(RunArrays.from_arrays(ph), RunContext(world_size=2)).distributed.intermittent
+    assert who is not None and (who.rank, who.every, who.steps) == (1, 20, 15)
+    # The same slow steps on a different rank each time (the host, not a rank): nobody is named.
+    ph = np.zeros((300, 4, 6))
+    ph[:, :, 1], ph[:, :, 2], ph[:, :, 3] = 4.0, 5.0, 1.0
+    for k, i in enumerate(range(9, 300, 10)):
+        ph[i, :, 3] += 50.0
+        ph[i, k % 4, 1] += 50.0
+        ph[i, k % 4, 3] -= 50.0
+    a = analyze(RunArrays.from_arrays(ph), RunContext(world_size=4))
+    assert a.distributed.intermittent is None
+    jitter = next(f for f in run_rules(a) if f.code == "TIMING.JITTER")
+    assert jitter.ranks == () and "now and then" not in jitter.title
 
 
 @pytest.mark.parametrize("ranks", [4, 64])

@@ -35,6 +35,17 @@ STRAGGLER_MIN_Z = 3.0
 STRAGGLER_MIN_COST_SHARE = 0.02
 """The slow ranks' extra local work over the next-slowest rank must cost >= 2% of wall to be worth fixing."""
 
+INTERMITTENT_SLOW = 1.5
+"""Slow steps take at least 1.5x the median step (TIMING.JITTER's p95 ratio), and there are at least
+INTERMITTENT_MIN_STEPS of them."""
+INTERMITTENT_MIN_STEPS = 5
+INTERMITTENT_SHARE = 2 / 3
+"""A rank is an intermittent straggler when its own work grew the most in at least 2/3 of the slow steps
+(and beyond chance: binomial z >= INTERMITTENT_Z against 1/W), by at least half of what those steps took
+beyond the median step, and by 3x what the other ranks' own work grew there (a slow host slows every rank's
+own work; a rank slow on its own leaves the others waiting)."""
+INTERMITTENT_Z = 3.0
+
 _DATA = PHASES.index("data")
 _COMM = PHASES.index("comm")
 
@@ -67,6 +78,19 @@ class SyncDivergence:
 
 
 @dataclass(frozen=True)
+class Intermittent:
+    """A rank that makes most of the slowest steps slow while the others wait for it: a straggler now and
+    then (every 10th step, say), which per-rank medians do not see."""
+
+    rank: int
+    phase: str  # its phase that grows most in those steps (communication aside)
+    extra_ms: float  # its local work in those steps above its median (median over them)
+    steps: int  # how many of the slow steps (INTERMITTENT_SLOW) it made slow
+    slow_steps: int  # the slow steps, how many
+    every: int | None  # those steps' spacing in step numbers, when they come at a fixed interval
+
+
+@dataclass(frozen=True)
 class DistributedTiming:
     per_rank: tuple[RankTiming, ...]
     stragglers: tuple[int, ...]  # ranks passing every gate (one: a straggler; several: load imbalance)
@@ -84,6 +108,7 @@ class DistributedTiming:
     note: str | None = None  # why, when they are off
     hosts: tuple[str, ...] = ()  # per_rank's hosts, in its order (empty: placement unknown)
     local_ranks: tuple[int, ...] = ()  # ...and local ranks
+    intermittent: Intermittent | None = None  # a rank that makes most of the slow steps slow
 
     def rank(self, rank: int) -> RankTiming:
         return next(r for r in self.per_rank if r.rank == rank)
@@ -107,6 +132,7 @@ def _without_comm(d: DistributedTiming, parallelism: str | None) -> DistributedT
         per_rank=tuple(replace(r, **off) for r in d.per_rank),
         stragglers=(),
         candidates=(),
+        intermittent=None,
         transfer_ms=nan,
         transfer_share=nan,
         sync_wait_share=nan,
@@ -156,10 +182,12 @@ def _distributed_timing(arrays: RunArrays, sel: np.ndarray) -> DistributedTiming
     lost_share = lost_ms * n / total_wall if total_wall > 0 else 0.0
     is_straggler = is_candidate & (lost_share >= STRAGGLER_MIN_COST_SHARE)
 
-    extra = _extra_phases(
-        arrays.phases[sel][complete] if not complete.all() else arrays.phases[sel], is_candidate
-    )
+    phases = arrays.phases[sel][complete] if not complete.all() else arrays.phases[sel]
+    extra = _extra_phases(phases, is_candidate)
     local_med = stats.median_over_steps(local)
+    numbers = arrays.steps[sel][complete] if not complete.all() else arrays.steps[sel]
+    intermittent = _intermittent(local, local_med, wall_all, phases, numbers, ranks)
+    del phases  # (S, R, P): not kept while the medians below make their own temporaries
     comm_med = stats.median_over_steps(comm_all)
     wait_med = stats.median_over_steps(sync_wait)
     data_med = stats.median_over_steps(data)
@@ -189,6 +217,57 @@ def _distributed_timing(arrays: RunArrays, sel: np.ndarray) -> DistributedTiming
         next_slowest_local_ms=next_local,
         steps_counted=n,
         sync_divergence=sync_divergence(arrays),
+        intermittent=intermittent,
+    )
+
+
+def _intermittent(
+    local: np.ndarray,
+    local_med: np.ndarray,
+    wall: np.ndarray,
+    phases: np.ndarray,
+    numbers: np.ndarray,
+    ranks: list[int],
+) -> Intermittent | None:
+    """The rank whose local work grew the most in most of the slow steps (`INTERMITTENT_SHARE`),
+    with its phase and the steps' spacing; None on one rank, or when no rank holds them (the host, the
+    network, noise). `local`, `wall` (n, R) and `phases` (n, R, P) are the counted steps', `numbers` their step
+    numbers, `local_med` (R,) each rank's median local work."""
+    n, r = local.shape
+    if n < 20 or r < 2:
+        return None
+    step_wall = wall.mean(axis=1, dtype=np.float64)
+    slow = np.flatnonzero(step_wall >= INTERMITTENT_SLOW * np.median(step_wall))
+    if slow.size < INTERMITTENT_MIN_STEPS:
+        return None
+    top = np.argmax(local[slow] - local_med, axis=1)
+    counts = np.bincount(top, minlength=r)
+    k = int(counts.argmax())
+    p = 1.0 / r
+    z = (counts[k] - slow.size * p) / math.sqrt(slow.size * p * (1 - p))
+    if counts[k] < INTERMITTENT_SHARE * slow.size or z < INTERMITTENT_Z:
+        return None
+    mine = slow[top == k]
+    extra = float(np.median(local[mine, k] - local_med[k]))
+    others = float(
+        np.median(np.delete(local[mine] - local_med, k, axis=1))
+    )  # host-wide slowness grows them too
+    if not (
+        extra >= 0.5 * float(np.median(step_wall[mine] - np.median(step_wall)))
+        and extra >= 3 * max(others, 0)
+    ):
+        return None
+    growth = np.median(phases[mine, k], axis=0) - np.median(phases[:, k], axis=0)
+    growth[_COMM] = -np.inf  # its own work, not its waits
+    gaps = np.diff(np.sort(numbers[mine]))
+    every = int(np.gcd.reduce(gaps.astype(np.int64))) if gaps.size >= 2 else 0
+    return Intermittent(
+        ranks[k],
+        PHASES[int(np.argmax(growth))],
+        extra,
+        int(mine.size),
+        int(slow.size),
+        every if every >= 2 else None,
     )
 
 
@@ -283,6 +362,7 @@ def _empty(arrays: RunArrays, ranks: list[int]) -> DistributedTiming:
         per_rank=tuple(RankTiming(r, nan, nan, nan, nan, nan, 0.0, nan, nan, 0.0, False) for r in ranks),
         stragglers=(),
         candidates=(),
+        intermittent=None,
         transfer_ms=nan,
         transfer_share=0.0,
         sync_wait_share=0.0,

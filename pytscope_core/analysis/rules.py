@@ -690,29 +690,49 @@ def jitter(a: RunAnalysis) -> list[Finding]:
     cost = t.jitter_cost_share - t.stall_share  # stalled steps are TIMING.STALL's, not counted twice
     if not ratio >= JITTER_P95_RATIO or cost < JITTER_MIN_COST:
         return []
+    who = a.distributed.intermittent if a.distributed.comm_measured else None
+    if who is not None:
+        every = f", every {who.every} steps" if who.every else ""
+        where = (
+            f" Rank {who.rank} makes {who.steps} of the {who.slow_steps} steps of 1.5x the median slow{every}: its own work "
+            f"grows by {who.extra_ms:.2f} ms there, most in `{who.phase}`, while the other ranks wait for it."
+        )
+        advice = (
+            f"Find what rank {who.rank} does in `{who.phase}` on those steps (step numbers: `pytscope trace`): "
+            "work on one rank only (logging, metrics, checkpointing, evaluation on rank 0), a batch much larger "
+            "than the others' (variable-length samples: bucket or pack them), garbage collection, another job "
+            "on its host. Move it off the step, make it asynchronous, or spread it over the ranks."
+        )
+    else:
+        where = (
+            f" In the slowest 10% of steps `{t.jitter_phase}` grows the most (+{t.jitter_phase_ms:.2f} ms)."
+            if t.jitter_phase
+            else ""
+        )
+        advice = (
+            "Look for periodic work inside steps (logging, checkpointing, garbage collection, data loader "
+            "worker restarts) and for other jobs sharing the host; `pytscope trace` shows which phase grows."
+        )
     return [
         Finding(
             code="TIMING.JITTER",
             severity=Severity.MED if cost >= JITTER_MED_COST else Severity.LOW,
-            title="Step time is unstable",
+            title=f"Step time is unstable: rank {who.rank} is slow now and then"
+            if who
+            else "Step time is unstable",
             detail=(
                 f"p95 step x{ratio:.2f} the median step ({t.p95_ms:.2f} vs {t.median_ms:.2f} ms); time above "
                 f"the median step is {_pct(cost)} of wall"
                 + (" (stalled steps aside)." if t.stall_share > 0 else ".")
-                + (
-                    f" In the slowest 10% of steps `{t.jitter_phase}` grows the most (+{t.jitter_phase_ms:.2f} ms)."
-                    if t.jitter_phase
-                    else ""
-                )
+                + where
             ),
-            recommendation=(
-                "Look for periodic work inside steps (logging, checkpointing, garbage collection, data loader "
-                "worker restarts) and for other jobs sharing the host; `pytscope trace` shows which phase grows."
-            ),
+            recommendation=advice,
+            ranks=(who.rank,) if who else (),
             evidence={
                 "p95_ratio": ratio,
                 "cost_share": cost,
                 "phase_growth_ms": t.jitter_phase_ms,
+                **({"rank_extra_ms": who.extra_ms} if who else {}),
             },
         )
     ]
@@ -878,6 +898,8 @@ def _advice(line: str, a: RunAnalysis) -> str:
         line == "sync wait (imbalance)" and not d.stragglers or line == _LINE_OF.get(t.stalls[0].phase)
     ):
         return f"the stalled step{'s' if len(t.stalls) > 1 else ''} (see TIMING.STALL)"
+    if line == "sync wait (imbalance)" and not d.stragglers and d.intermittent is not None:
+        return f"rank {d.intermittent.rank}'s slow steps, which the others wait for (see TIMING.JITTER)"
     if line == "exposed transfer" and (a.ctx.parallelism or "").startswith("fsdp2"):
         if a.world_size < 2:
             return "fewer sharded units, or no fully_shard on one rank (its brackets hold FSDP's own copies)"
