@@ -1,10 +1,10 @@
-"""Backward and exposed gradient communication, timed from the autograd engine: one hook per step.
+"""Backward and exposed gradient communication, timed from the autograd engine.
 
-A pre-hook on the autograd node of each forward's output marks the start of backward (persistent
-gradient-ready hooks on the parameters whose gradients come first do, where the loss came from another
-output) and queues an autograd engine final callback. That callback runs when the graph has finished computing ("graph
-done") and before DDP's own finalize, which waits for the gradient all-reduce; a second callback queued from
-the first runs after that wait. So `comm` = exposed gradient communication including any wait for slower
+A pre-hook on the autograd node of each forward's output marks the start of backward where that is worth
+its cost (a large output layer, or a device clock); elsewhere persistent gradient-ready hooks on the
+parameters whose gradients come first do. Either queues an autograd engine final callback. That callback
+runs when the graph has finished computing ("graph done") and before DDP's own finalize, which waits for the
+gradient all-reduce; a second callback queued from the first runs after that wait. So `comm` = exposed gradient communication including any wait for slower
 peers, with no Python on DDP's per-bucket path (docs/MEASUREMENTS.md, items 1-3).
 
 A backward that none of the hooks saw (a branch of the model, e.g. one of several task heads, that the hooked
@@ -15,12 +15,23 @@ learns that branch's first gradients.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
 from .batches import first_tensor
+from .clocks import HostClock
 from .recorder import StepRecorder
 from .timeline import Mark
+
+OUTPUT_TRIAL = 8
+"""Backwards over which it is learnt whether the output's pre-hook earns its cost (`forward_done`)."""
+OUTPUT_MIN_GAP_NS = 100_000
+"""On the host clock, the pre-hook stays when the gradient reaches the output at least 100 us (median over
+the trial) before the first parameter's is ready: a large output layer. Otherwise the parameter hooks begin
+backward, and the at most 100 us between the two goes to `other`: the pre-hook costs 5-40 us a step (its
+trip into Python, from warm to cold caches), several points of a 1 ms step. On a device clock (CUDA events)
+the host's gap says nothing of the device's, and the pre-hook always stays."""
 
 RELEARN_LIMIT = 16
 """Backwards that may hook every parameter again, to learn a branch that went unseen. Past that (a branch used
@@ -59,12 +70,19 @@ class BackwardTimer:
         self._relearning = False  # learning again after a backward that no hook saw
         self._relearn_left = RELEARN_LIMIT
         self._queue_callback: Callable[[Callable[[], None]], None] | None = None
+        self._output_hook = True  # a pre-hook on each forward's output (False once the trial finds it idle)
+        self._trial_left = OUTPUT_TRIAL  # backwards left in which both hooks fire and their gap is measured
+        self._output_ns = (
+            0  # a trial backward: when the gradient reached the output (0: not yet, or no trial)
+        )
+        self._gaps: list[int] = []  # the trial's output-to-first-parameter gaps, in ns
 
     def watch(self, model: Any, grad_hooks: bool = True) -> None:
-        """Learn from the parameters of `model` where backwards begin that the output's pre-hook
-        (`forward_done`) does not see (the loss came from another of the model's outputs). The first backward
-        hooks every parameter; if the output's pre-hook began it, no parameter hook stays (each Python hook
-        in backward costs 10-20 us, the engine's trip back into Python); else the first few parameters ready
+        """Hook the parameters of `model` whose gradients become ready first: they begin the backwards that
+        the output's pre-hook (`forward_done`) does not (it was found not worth its cost, or the loss came
+        from another of the model's outputs). The first backward hooks every parameter, and the first few
+        ready keep theirs through the pre-hook's trial; where the pre-hook stays after it, none does (each
+        Python hook in backward costs 10-20 us, the engine's trip back into Python). Else the first few
         keep theirs: any parameter ready before the last one queues the graph-done callback ahead of DDP's
         finalize, which DDP queues when its last bucket becomes ready. A backward that no hook saw learns
         again (`settle`), keeping the first gradients of that branch too. With `grad_hooks=False` (FSDP2,
@@ -90,14 +108,20 @@ class BackwardTimer:
 
     def forward_done(self, output: Any, grad_sync: bool) -> None:
         """A micro-batch's forward ended. Its backward begins where the gradient reaches `output` (its first
-        tensor that will receive one): a pre-hook on that tensor's autograd node, about 2 us to register, is
-        the one thing registered per step, and usually the one Python hook in backward. The parameter hooks alone would start backward only once the first
-        parameter's gradient is accumulated, after the gradient of the layer that made the output: a large
-        output layer's (a language model's vocabulary projection) would be charged to `other`."""
+        tensor that will receive one), seen by a pre-hook on that tensor's autograd node: the parameter hooks
+        see backward only once the first parameter's gradient is accumulated, after the gradient of the layer
+        that made the output, so a large output layer's (a language model's vocabulary projection) would be
+        charged to `other`. The pre-hook, registered per step, stays only where it earns its cost
+        (`OUTPUT_MIN_GAP_NS`, learnt over the first OUTPUT_TRIAL backwards), and always without parameter
+        hooks (FSDP2)."""
         self.settle()
         self._sync_pending = grad_sync
         self._awaiting = True
-        t = first_grad_tensor(output) if output is not None else None
+        t = (
+            first_grad_tensor(output)
+            if output is not None and (self._output_hook or not self._params)
+            else None
+        )
         if t is not None:
             if self._queue_callback is None:
                 self._queue_callback = _engine_queue_callback()
@@ -138,6 +162,9 @@ class BackwardTimer:
         try:
             if self._ready_order is not None:
                 self._ready_order.append(param)
+            if self._output_ns:  # a trial backward's first parameter gradient, after the output's
+                self._gaps.append(time.perf_counter_ns() - self._output_ns)
+                self._output_ns = 0
             if not self.in_backward:  # the later hooks of this backward: nothing to do, and no call
                 self._from_output = False
                 self.begin()
@@ -148,6 +175,8 @@ class BackwardTimer:
         try:
             if not self.in_backward:
                 self._from_output = True
+                if self._trial_left and self._params:
+                    self._output_ns = time.perf_counter_ns()
                 self.begin()
         except Exception as exc:
             self._on_error(exc)
@@ -160,21 +189,40 @@ class BackwardTimer:
                 self._queue_callback(self._end)  # runs after DDP's finalize, queued before it
             else:
                 self._end()  # nothing to wait for: backward ends here, with no second callback
+            self._output_ns = 0
             if self._ready_order is not None:
                 self._keep_first_ready()
+            if self._trial_left:
+                self._trial_left -= 1
+                if not self._trial_left:
+                    self._end_trial()
         except Exception as exc:
             self.in_backward = False
             self._on_error(exc)
+
+    def _end_trial(self) -> None:
+        """Keep the output's pre-hook (and drop the parameter hooks: each costs a trip into Python) where
+        it begins backward much earlier than they would, or where the clock is a device's; else stop
+        registering it (`OUTPUT_MIN_GAP_NS`)."""
+        device_clock = not isinstance(self.recorder.clock, HostClock)
+        gaps = sorted(self._gaps)
+        self._output_hook = device_clock or bool(gaps) and gaps[len(gaps) // 2] >= OUTPUT_MIN_GAP_NS
+        if self._output_hook and self._ready_order is None:
+            for _, handle in self._grad_hooks:
+                handle.remove()
+            self._grad_hooks.clear()
+            self._kept.clear()
 
     def _keep_first_ready(self, keep: int = 2) -> None:
         # A backward the output's pre-hook began needs no parameter hook. Else a few, not one: a parameter
         # unused in some step must not leave that backward untimed. Those kept after earlier learning stay:
         # each is the first gradient of some branch of the model that the output's pre-hook does not see.
         order, self._ready_order = self._ready_order or [], None
-        first = set() if self._from_output else {id(p) for p in order[:keep]}
-        if not (first or self._from_output):
+        output_begins = self._from_output and self._output_hook and not self._trial_left
+        first = set() if output_begins else {id(p) for p in order[:keep]}
+        if not (first or output_begins):
             return
-        if self._relearning and self._relearn_left > 0 and (self._from_output or first <= self._kept):
+        if self._relearning and self._relearn_left > 0 and (output_begins or first <= self._kept):
             # Learning after an unseen backward, but this one was seen all the same: learn again.
             self._relearn_left -= 1
             self._ready_order = []

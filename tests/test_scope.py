@@ -13,7 +13,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from pytscope_core import Scope
+from pytscope_core import Scope, backward
+from pytscope_core.backward import OUTPUT_TRIAL
 from pytscope_core.cli import main
 from pytscope_core.live import LIVE_STEPS
 from pytscope_core.rundir import load_run
@@ -520,40 +521,55 @@ class TwoHeads(torch.nn.Module):
 
 
 def _timed_backwards(tmp_path, losses):
-    """Train TwoHeads with each step's loss from `losses` (a function of the model and its input): which
-    steps' backwards were timed, and the parameters whose gradient hooks stayed."""
+    """Train TwoHeads through the output pre-hook's trial (head 0), then with each step's loss from `losses`
+    (a function of the model and its input): which of those steps' backwards were timed, the parameters
+    whose gradient hooks stayed, and whether the pre-hook did."""
     model = TwoHeads()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     scope = Scope(tmp_path, console=False, hang_timeout=None, interval=1000)
     scope.watch(model, opt)
-    for loss in losses:
+    for loss in [losses[0]] * OUTPUT_TRIAL + list(losses):
         loss(model, torch.randn(4, 8)).backward()
         opt.step()
         opt.zero_grad()
     scope.recorder.close()
-    timed = [int(Mark.BACKWARD_BEGIN) in step.marks for step in scope.recorder.window]
+    timed = [int(Mark.BACKWARD_BEGIN) in step.marks for step in scope.recorder.window][OUTPUT_TRIAL:]
     hooked = {id(p) for p, _ in scope.hooks.backward._grad_hooks}
+    output_hook = scope.hooks.backward._output_hook
     scope.finish()
-    return model, timed, hooked
+    return model, timed, hooked, output_hook
 
 
-def test_each_backward_is_timed_from_the_output_and_needs_no_parameter_hook(tmp_path):
-    # Multi-task heads used in turn, each forward returning the head's output: every backward begins there.
-    def head(i):
-        return lambda model, x: model(x, i).sum()
-
-    _, timed, hooked = _timed_backwards(tmp_path, [head(i) for i in (0, 0, 1, 0, 1, 1, 0, 1)])
-    assert all(timed) and hooked == set()
+def _head(i, tuple_output=False):
+    return lambda model, x: (model(x)[i] if tuple_output else model(x, i)).sum()
 
 
-def test_a_backward_from_an_output_the_hook_is_not_on_is_learnt_at_its_next_use(tmp_path):
+HEADS = (0, 0, 1, 0, 1, 1, 0, 1)
+
+
+def test_where_the_output_pre_hook_is_not_worth_its_cost_parameter_hooks_learn_each_branch(tmp_path):
+    # A tiny model: the gradient reaches the first parameter microseconds after the output, so the per-step
+    # pre-hook goes after its trial. Heads used in turn: head 1's first use is unseen, then learnt.
+    model, timed, hooked, output_hook = _timed_backwards(tmp_path, [_head(i) for i in HEADS])
+    assert not output_hook
+    assert timed == [True, True, False, True, True, True, True, True]
+    assert hooked == {id(p) for p in model.heads.parameters()}  # both heads' first gradients, not the trunk
+
+
+def test_where_the_output_pre_hook_stays_no_parameter_hook_does(tmp_path, monkeypatch):
+    monkeypatch.setattr(backward, "OUTPUT_MIN_GAP_NS", 0)  # as for a large output layer
+    _, timed, hooked, output_hook = _timed_backwards(tmp_path, [_head(i) for i in HEADS])
+    assert output_hook and all(timed) and hooked == set()
+
+
+def test_a_backward_from_an_output_the_pre_hook_is_not_on_is_learnt_at_its_next_use(tmp_path, monkeypatch):
     # The model returns both heads' outputs; the pre-hook is on the first. Losses from head 1 alone go unseen
     # the first time, then head 1's first gradients keep their hooks (not the trunk's, not head 0's).
-    def head(i):
-        return lambda model, x: model(x)[i].sum()
-
-    model, timed, hooked = _timed_backwards(tmp_path, [head(i) for i in (0, 0, 1, 0, 1, 1, 0, 1)])
-    assert timed == [True, True, False, True, True, True, True, True]
+    monkeypatch.setattr(backward, "OUTPUT_MIN_GAP_NS", 0)
+    model, timed, hooked, output_hook = _timed_backwards(
+        tmp_path, [_head(i, tuple_output=True) for i in HEADS]
+    )
+    assert output_hook and timed == [True, True, False, True, True, True, True, True]
     assert hooked == {id(p) for p in model.heads[1].parameters()}
 
 
@@ -712,6 +728,7 @@ def test_backward_starts_where_the_gradient_reaches_the_output_so_a_large_head_i
         opt.step()
         opt.zero_grad()
         scope.log(loss=loss)
+    assert scope.hooks.backward._output_hook and not scope.hooks.backward._grad_hooks  # the trial kept it
     scope.finish()
     run = load_run(tmp_path)
     phases = summarize(run.arrays, run.context).to_dict()["timing"]["phases"]
