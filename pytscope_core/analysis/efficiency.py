@@ -22,6 +22,11 @@ from . import stats
 from .distributed import DistributedTiming
 from .timing import StepTiming
 
+OPTIMIZER_HEAVY_SHARE = 0.25
+"""The optimizer line is recoverable from a quarter of the step on: an optimizer step is needed work, but one
+that long is rarely necessary (a per-parameter loop where a foreach or fused implementation exists, host
+syncs inside a custom step, unsharded state)."""
+
 
 @dataclass(frozen=True)
 class BudgetLine:
@@ -75,7 +80,7 @@ def budget(timing: StepTiming, dist: DistributedTiming, comm_measured: bool = Tr
         ("data wait", share["data"], True, True),
         ("exposed transfer", transfer, comm_measured, comm_measured),
         ("sync wait (imbalance)", comm - transfer, comm_measured, comm_measured),
-        ("optimizer", share["optimizer"], False, True),
+        ("optimizer", share["optimizer"], share["optimizer"] >= OPTIMIZER_HEAVY_SHARE, True),
         ("other", share["other"], True, True),
     )
     mean = timing.mean_ms if math.isfinite(timing.mean_ms) else 0.0

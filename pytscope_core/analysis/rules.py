@@ -876,13 +876,19 @@ RECOVERABLE_MIN_TOTAL = 0.10
 """Only speak when >= 10% of wall is recoverable in total..."""
 RECOVERABLE_MIN_LINE = 0.05
 """...and name the lines that are >= 5% each."""
+RECOVERABLE_MED_TOTAL = 0.5
+"""MED from half of wall: the step is then mostly not training compute (a healthy run is compute-dominated)."""
 _LINE_OF = {"data": "data wait", "comm": "exposed transfer", "other": "other"}
 """The budget line a phase's time falls in, where the line is recoverable."""
 _ADVICE = {
     "data wait": "faster input pipeline (more workers, prefetch)",
     "exposed transfer": "more comm/compute overlap or fewer syncs",
     "sync wait (imbalance)": "balance the ranks' work (see straggler findings)",
-    "other": "move logging/callbacks off the step",
+    "optimizer": "a faster optimizer step: its foreach or fused implementation (e.g. AdamW(fused=True) on "
+    "CUDA), fewer parameter groups, no host syncs (.item(), .cpu()) in a custom step, sharded optimizer state",
+    "other": "move what runs between the phases off the step: per-step reads of tensors (.item(), .cpu() "
+    "wait for the device), metrics and logging, callbacks, gradient clipping by hand, copies of the batch to "
+    "the device (pin_memory=True, non_blocking=True)",
 }
 
 
@@ -919,7 +925,7 @@ def recoverable(a: RunAnalysis) -> list[Finding]:
     return [
         Finding(
             code="EFFICIENCY.RECOVERABLE",
-            severity=Severity.LOW,
+            severity=Severity.MED if e.recoverable_share >= RECOVERABLE_MED_TOTAL else Severity.LOW,
             title=f"{_pct(e.recoverable_share)} of wall time is recoverable",
             detail=f"Largest recoverable lines of the wall-time budget: {listed}.",
             recommendation="Start with the largest line: "
