@@ -165,7 +165,10 @@ class Summary:
                 "last_loss": c.last_loss,
                 "nonfinite_step": c.nonfinite_step,
                 "nonfinite_ranks": list(c.nonfinite_ranks),
-                "spikes": [{"step": s.step, "loss": s.loss, "baseline": s.baseline} for s in c.spikes],
+                "spikes": [
+                    {"step": s.step, "loss": s.loss, "baseline": s.baseline, "ranks": list(s.ranks)}
+                    for s in c.spikes
+                ],
                 "plateau": {
                     "step": c.plateau.step,
                     "steps": c.plateau.steps,

@@ -428,6 +428,15 @@ def test_spikes_found_at_their_steps():
     loss[[200, 401]] = 3.0
     a = analyze(make_run(600, 2, loss=loss), RunContext(world_size=2))
     assert [s.step for s in a.convergence.spikes] == [201, 402]
+    assert all(s.ranks == () for s in a.convergence.spikes)  # the same loss on every rank: no rank named
+    # Rank 1 alone x20 at step 151 (its batch): the mean over ranks spikes, and the rank is named.
+    per_rank = np.repeat(1.0 + 0.01 * rng.standard_normal((600, 1)), 3, axis=1)
+    per_rank[150, 1] = 20.0
+    a = analyze(make_run(600, 3, loss=per_rank), RunContext(world_size=3))
+    (spike,) = a.convergence.spikes
+    assert spike.step == 151 and spike.ranks == (1,)
+    (found,) = [f for f in run_rules(a) if f.code == "CONVERGENCE.SPIKE"]
+    assert found.ranks == (1,) and "on rank(s) 1 only" in found.detail
 
 
 def test_a_spike_early_in_a_fast_fall_is_found_and_the_fall_alone_is_not_one():

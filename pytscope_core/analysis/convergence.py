@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -86,6 +86,22 @@ class Spike:
     step: int
     loss: float
     baseline: float  # trailing median before the spike
+    ranks: tuple[int, ...] = ()  # the ranks whose own loss spiked, when not all of them (`spiking_ranks`)
+
+
+def spiking_ranks(arrays: RunArrays, spike: Spike) -> tuple[int, ...]:
+    """The ranks whose own loss at the spike's step rose at least half as far above the baseline as the
+    highest rank's; () when every rank's did (or the loss is one value broadcast to every rank)."""
+    loss = np.asarray(arrays.loss)
+    rows = np.flatnonzero(arrays.steps == spike.step)
+    if rows.size == 0 or loss.strides[1] == 0:
+        return ()
+    own = loss[rows[-1]]
+    with np.errstate(invalid="ignore"):
+        high = own >= spike.baseline + 0.5 * (np.nanmax(own) - spike.baseline)
+    if high.all() or not high.any():
+        return ()
+    return tuple(int(arrays.ranks[j]) for j in np.flatnonzero(high))
 
 
 @dataclass(frozen=True)
@@ -334,7 +350,9 @@ def convergence(
         last_loss=float(finite[-1]) if finite.size else math.nan,
         nonfinite_step=step,
         nonfinite_ranks=ranks,
-        spikes=find_spikes(counted, arrays.steps[sel]),
+        spikes=tuple(
+            replace(x, ranks=spiking_ranks(arrays, x)) for x in find_spikes(counted, arrays.steps[sel])
+        ),
         sparkline_values=tuple(float(v) for v in spark),
         plateau=plateau,
         rise=rise,

@@ -588,12 +588,19 @@ def spike(a: RunAnalysis) -> list[Finding]:
             title=f"{len(spikes)} loss spike(s)",
             detail=(
                 f"Loss jumped well above its trailing median at step(s) {listed}; the largest went "
-                f"from {worst.baseline:.4g} to {worst.loss:.4g} (x{ratio:.2f}) at step {worst.step}."
+                f"from {worst.baseline:.4g} to {worst.loss:.4g} (x{ratio:.2f}, the mean over ranks) at step "
+                f"{worst.step}" + (f", on rank(s) {format_ranks(worst.ranks)} only." if worst.ranks else ".")
             ),
             recommendation=(
-                "Inspect the batches at those steps for outliers; if spikes recur, lower the learning rate, "
-                "clip gradients, or raise Adam's epsilon."
+                "Inspect the batches at those steps for outliers"
+                + (
+                    " (a spike on some ranks only is in their batches: their shard of the data)"
+                    if worst.ranks
+                    else ""
+                )
+                + "; if spikes recur, lower the learning rate, clip gradients, or raise Adam's epsilon."
             ),
+            ranks=worst.ranks,
             steps=tuple(s.step for s in spikes[:50]),
             evidence={"count": float(len(spikes)), "max_ratio": ratio},
         )
