@@ -61,6 +61,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hang-timeout", type=float, default=None, help='seconds (default: "auto")')
     # Misuse that pytscope must survive (exercised by the tests):
     p.add_argument("--forget-finish", action="store_true", help="call neither finish() nor end_training()")
+    p.add_argument("--end-without-finish", action="store_true", help="call end_training() but not finish()")
     p.add_argument("--finish-twice", action="store_true", help="call scope.finish() twice")
     p.add_argument("--finish-after-end", action="store_true", help="call finish() after end_training()")
     return p.parse_args(argv)
@@ -164,6 +165,9 @@ def main(argv: list[str] | None = None) -> None:
 
     if args.forget_finish:
         return  # neither finish() nor end_training(): the summary comes from pytscope's exit hook
+    if args.end_without_finish:
+        accelerator.end_training()  # the exit hook finishes after the process group is gone: says so
+        return
     if args.finish_after_end:
         accelerator.end_training()
         scope.finish()  # too late: says so on stderr and in the summary, and does not crash

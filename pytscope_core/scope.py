@@ -272,13 +272,14 @@ class Scope:
         except Exception as exc:
             self.fail(exc)
 
-    def finish(self) -> Any:
+    def finish(self, *, forgotten: bool = False) -> Any:
         """Final gather and, on rank 0, the end-of-run summary (printed and written to the run). Idempotent.
 
-        Call it on every rank, before the process group is destroyed.
+        Call it on every rank, before the process group is destroyed. (`forgotten`: called at interpreter
+        exit because the training code did not.)
         """
         self.hooks.end_flop_count()  # (from training code: never inside compiled code)
-        return self._end(lambda session: session.finish())
+        return self._end(lambda session: session.finish(forgotten))
 
     def stop(self, reason: str) -> Any:
         """End without meeting the other ranks (after an exception, or when they may be gone): this rank's
@@ -353,7 +354,7 @@ def _end_at_exit(scope: Scope, error_before: BaseException | None) -> None:
     if error is not None and error is not error_before and not interactive:
         scope.stop(f"the process {raised(error)}")
     else:
-        scope.finish()
+        scope.finish(forgotten=True)
 
 
 def _cuda_device_of(model: Any) -> Any:

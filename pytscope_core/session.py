@@ -257,17 +257,19 @@ class RunSession:
             return float(torch.stack(sums).sum().item()) if sums else math.nan
 
     # -- the end --------------------------------------------------------------------------------------
-    def finish(self) -> Any:
-        """Meet every rank that arrives in time for a last gather; rank 0 then writes the summary."""
+    def finish(self, forgotten: bool = False) -> Any:
+        """Meet every rank that arrives in time for a last gather; rank 0 then writes the summary. `forgotten`:
+        at interpreter exit, finish() never having been called."""
         scope, coordinator = self.scope, self.scope.coordinator
         if self._watchdog is not None:
             self._watchdog.status = "finished"
         if scope.enabled:
             if coordinator.distributed and not dist_alive():
                 scope.note_error(
-                    "finish() ran after the process group was destroyed: the other ranks' last steps are in "
-                    "their own files (ranks/), not in this summary; call finish() before "
-                    "destroy_process_group() / accelerator.end_training()"
+                    ("finish() was not called; at exit" if forgotten else "finish() ran after")
+                    + " the process group was destroyed: the other ranks' last steps are in their own files "
+                    "(ranks/), not in this summary; call finish() before destroy_process_group() / "
+                    "accelerator.end_training()"
                 )
                 coordinator.gatherer = None
                 if self.rank != 0:  # rank 0 writes its own below, as a process of its own

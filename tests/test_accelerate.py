@@ -189,6 +189,16 @@ def test_forgotten_finish_still_reports_at_exit(tmp_path: Path) -> None:
     assert summary["scope"]["errors"] == []
 
 
+def test_a_forgotten_finish_after_end_training_says_it_was_forgotten(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    launch("--end-without-finish", "--steps", "40", "--interval", "15", "--run-dir", str(run_dir))
+    errors = json.loads((run_dir / "summary.json").read_text())["scope"]["errors"]
+    assert any("finish() was not called; at exit the process group was destroyed" in e for e in errors), (
+        errors
+    )
+    assert load_run(run_dir).arrays.n_steps == 40
+
+
 def test_finish_after_end_training_says_so(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     proc = launch("--finish-after-end", "--steps", "40", "--interval", "15", "--run-dir", str(run_dir))
