@@ -83,7 +83,13 @@ def render_run(summary: Summary) -> RenderableType:
     if r.parallelism:
         table.add_row("parallelism", Text(r.parallelism + (f": {r.comm_note}" if r.comm_note else "")))
     for end in r.rank_ends:
-        where = f"end at step {end.last_step}" if end.last_step is not None else "have no record"
+        where = (
+            "have no record"
+            if end.last_step is None
+            else f"run to the last step ({end.last_step}), written by the rank itself"
+            if end.last_step == r.last_step
+            else f"end at step {end.last_step}"
+        )
         table.add_row(
             f"rank {end.rank}", Text(f"records {where}: {end.reason}")
         )  # the reason may quote an error

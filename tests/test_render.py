@@ -125,3 +125,16 @@ def test_render_findings_lists_severity_code_detail_recommendation():
     assert "[HIGH] Training waits for input" in out and "(DATA.INPUT_BOUND)" in out
     assert "5.00 ms per step" in out and "More workers" in out
     assert text_of(render_findings([])).strip() == "No findings."
+
+
+def test_a_rank_that_wrote_its_own_rows_to_the_end_is_not_said_to_end_early():
+    # Rank 1 wrote its own rows (finish() after the process group was gone) and they reach the last step;
+    # rank 2's stop two steps short.
+    full = run(steps=100, ranks=3, slow_rank=None)
+    phases = full.phases.copy()
+    phases[-2:, 2, :] = np.nan
+    arrays = RunArrays.from_arrays(phases, loss=np.asarray(full.loss))
+    ctx = RunContext(world_size=3, rank_notes=((1, "finish() after the process group was destroyed"),))
+    text = text_of(render_summary(summarize(arrays, ctx)))
+    assert "records run to the last step (100), written by the rank itself: finish() after" in text
+    assert "rank 2" in text and "records end at step 98" in text
