@@ -475,8 +475,9 @@ def input_bound(a: RunAnalysis) -> list[Finding]:
                 f"{worst.rank}), {_pct(share)} of its wall time."
             ),
             recommendation=(
-                "Raise DataLoader num_workers and prefetch_factor, set pin_memory=True and "
-                "persistent_workers=True, and move decoding/augmentation off the main process; "
+                "Raise DataLoader num_workers and prefetch_factor while workers x ranks per host stay under its "
+                "CPU cores (past that, make each sample cheaper: cache decoded data, augment on the device), set "
+                "pin_memory=True and persistent_workers=True, and move decoding/augmentation off the main process; "
                 + (
                     "check those ranks' storage and shards first."
                     if some
