@@ -36,8 +36,10 @@ STRAGGLER_MIN_COST_SHARE = 0.02
 """The slow ranks' extra local work over the next-slowest rank must cost >= 2% of wall to be worth fixing."""
 
 INTERMITTENT_SLOW = 1.5
-"""Slow steps take at least 1.5x the median step (TIMING.JITTER's p95 ratio), and there are at least
-INTERMITTENT_MIN_STEPS of them."""
+"""Slow steps take at least 1.5x the median step (TIMING.JITTER's p95 ratio) and INTERMITTENT_SIGMAS robust
+sigmas above it (on a busy host a third of the steps can be 1.5x the median: the rank's own slow steps would
+drown in them), and there are at least INTERMITTENT_MIN_STEPS of them."""
+INTERMITTENT_SIGMAS = 6.0
 INTERMITTENT_MIN_STEPS = 5
 INTERMITTENT_SHARE = 2 / 3
 """A rank is an intermittent straggler when its own work grew the most in at least 2/3 of the slow steps
@@ -87,7 +89,7 @@ class Intermittent:
     extra_ms: float  # its local work in those steps above its median (median over them)
     steps: int  # how many of the slow steps (INTERMITTENT_SLOW) it made slow
     slow_steps: int  # the slow steps, how many
-    every: int | None  # those steps' spacing in step numbers, when they come at a fixed interval
+    every: int | None  # the most common spacing of those steps, when at least half of the gaps have it
 
 
 @dataclass(frozen=True)
@@ -237,7 +239,9 @@ def _intermittent(
     if n < 20 or r < 2:
         return None
     step_wall = wall.mean(axis=1, dtype=np.float64)
-    slow = np.flatnonzero(step_wall >= INTERMITTENT_SLOW * np.median(step_wall))
+    median = float(np.median(step_wall))
+    noise = stats.MAD_TO_SIGMA * float(np.median(np.abs(step_wall - median)))
+    slow = np.flatnonzero(step_wall >= max(INTERMITTENT_SLOW * median, median + INTERMITTENT_SIGMAS * noise))
     if slow.size < INTERMITTENT_MIN_STEPS:
         return None
     top = np.argmax(local[slow] - local_med, axis=1)
@@ -249,18 +253,17 @@ def _intermittent(
         return None
     mine = slow[top == k]
     extra = float(np.median(local[mine, k] - local_med[k]))
-    others = float(
-        np.median(np.delete(local[mine] - local_med, k, axis=1))
-    )  # host-wide slowness grows them too
-    if not (
-        extra >= 0.5 * float(np.median(step_wall[mine] - np.median(step_wall)))
-        and extra >= 3 * max(others, 0)
-    ):
+    others = float(np.median(np.delete(local[mine] - local_med, k, axis=1)))  # a slow host grows them too
+    if not (extra >= 0.5 * float(np.median(step_wall[mine] - median)) and extra >= 3 * max(others, 0)):
         return None
     growth = np.median(phases[mine, k], axis=0) - np.median(phases[:, k], axis=0)
     growth[_COMM] = -np.inf  # its own work, not its waits
     gaps = np.diff(np.sort(numbers[mine]))
-    every = int(np.gcd.reduce(gaps.astype(np.int64))) if gaps.size >= 2 else 0
+    every = 0
+    if gaps.size >= 2:
+        values, counts = np.unique(gaps, return_counts=True)
+        if counts.max() >= 0.5 * gaps.size:
+            every = int(values[counts.argmax()])
     return Intermittent(
         ranks[k],
         PHASES[int(np.argmax(growth))],
