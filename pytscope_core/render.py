@@ -154,7 +154,7 @@ def render_convergence(summary: Summary) -> RenderableType:
     ]
     if c.rise is not None:
         lines[0] += (
-            f"; rising since about step {c.rise.step} ({c.rise.lowest:.4g} then, {c.rise.last:.4g} at the end)"
+            f"; rising since about step {c.rise.step} (from near {c.rise.lowest:.4g} to {c.rise.last:.4g})"
         )
     elif c.plateau is not None:
         lines[0] += f"; flat from about step {c.plateau.step} ({100 * c.plateau.relative_change:+.1f}% since)"

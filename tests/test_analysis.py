@@ -106,7 +106,7 @@ def test_a_step_stalled_on_one_rank_is_named_with_its_rank_and_phase():
     a = analyze(RunArrays.from_arrays(ph), RunContext(world_size=2))
     (found,) = [f for f in run_rules(a) if f.code == "TIMING.STALL"]
     assert found.severity == Severity.MED and found.ranks == (0,) and found.steps == (40,)
-    assert "rank 0 spent 20.00 s in `other` while the other ranks waited" in found.detail
+    assert "rank 0 spent 20.00 s in `other` while the other rank waited" in found.detail
     assert "scope.paused()" in found.recommendation
     recoverable = next(f for f in run_rules(a) if f.code == "EFFICIENCY.RECOVERABLE")
     assert "TIMING.STALL" in recoverable.recommendation and "balance" not in recoverable.recommendation
@@ -380,7 +380,7 @@ def test_infinite_loss_is_nonfinite_and_breaks_nothing():
     ]
     assert found and found[0].steps == (121,) and found[0].severity == Severity.HIGH
     # The loss just before the bad step, not the run's last finite one (1.0 at step 300).
-    assert f"the last finite loss before it was {loss[119]:.4g}." in found[0].detail
+    assert f"the last finite loss before it was {loss[119]:.4g} (the mean over ranks)." in found[0].detail
     summary = summarize(arrays, RunContext(world_size=4))
     assert summary.convergence.nonfinite_step == 121
     json.dumps(summary.to_dict(), allow_nan=False)

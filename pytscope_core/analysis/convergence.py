@@ -58,7 +58,8 @@ RISE_T_CRIT = 5.0
 with 10-30% iid noise per step were called rising, and up to 1.8% with AR(1) noise (phi 0.5); at 5.0, at most
 0.2% and 0.5% (1,000 curves each)."""
 RISE_TURN_SDS = 2.0
-"""Where it turned: the last of the rising tail's block means within 2 noise sds of the lowest."""
+"""Where it turned: the start of the last of the rising tail's blocks whose mean is within 2 noise sds of the
+lowest."""
 
 SPIKE_WINDOW = 50
 """Trailing steps that define the local loss level for spike detection."""
@@ -205,7 +206,7 @@ def plateau_start(loss: np.ndarray) -> tuple[int, float, float, float] | None:
 class Rise:
     """Where a loss that had fallen turned up again, and by how much."""
 
-    step: int  # the middle of the rising tail's lowest block mean: the turn
+    step: int  # where the rising tail's last block within noise of its lowest begins: the turn
     lowest: float  # that block's mean
     steps: int  # finite counted steps from the turn to the end
     relative_change: float  # the tail's last quarter against its first quarter, of the first quarter's level
@@ -232,13 +233,14 @@ def rise_start(loss: np.ndarray, steps: np.ndarray | None = None) -> Rise | None
         if se > 0 and change / se >= RISE_T_CRIT and change >= TREND_MIN_RELATIVE_CHANGE * abs(level):
             means = stats.block_means(x[start:], TREND_BLOCKS)
             edges = start + np.linspace(0, x.size - start, TREND_BLOCKS + 1).round().astype(int)
-            # The turn: the last block still within noise of the lowest (a loss that sat flat before it rose
-            # turned where the flat part ends, not at its noisiest low point), before the last quarter.
+            # The turn: where the last block still within noise of the lowest begins (a loss that sat flat
+            # before it rose turned where the flat part ends, not at its noisiest low point; one that turned
+            # in a V, about where its lowest block ends), before the last quarter.
             low = float(means.min())
             noise = stats.trimmed_von_neumann_sd(means)
             near = means[: TREND_BLOCKS - TREND_EDGE_BLOCKS] <= low + RISE_TURN_SDS * noise
             last_low = int(np.flatnonzero(near)[-1]) if near.any() else int(np.argmin(means))
-            turn = (edges[last_low] + edges[last_low + 1]) // 2
+            turn = edges[last_low]
             fell = first - low
             if trend == "flat" and not (
                 fell >= TREND_MIN_RELATIVE_CHANGE * abs(first) and fell >= RISE_T_CRIT * math.sqrt(2) * noise

@@ -551,7 +551,8 @@ def nonfinite(a: RunAnalysis) -> list[Finding]:
             detail=(
                 f"First NaN/Inf loss at step {c.nonfinite_step} on rank(s) {format_ranks(c.nonfinite_ranks)}"
                 + (
-                    f"; the last finite loss before it was {c.loss_before_nonfinite:.4g}."
+                    f"; the last finite loss before it was {c.loss_before_nonfinite:.4g}"
+                    + (" (the mean over ranks)." if a.world_size > 1 else ".")
                     if math.isfinite(c.loss_before_nonfinite)
                     else "."
                 )
@@ -623,8 +624,8 @@ def no_progress(a: RunAnalysis) -> list[Finding]:
                 severity=Severity.MED,
                 title=f"The loss has been rising since around step {rise.step}",
                 detail=(
-                    f"Its smoothed loss was lowest around step {rise.step} ({rise.lowest:.4g}) and ended at "
-                    f"{rise.last:.4g} ({_pct((rise.last - rise.lowest) / abs(rise.lowest))} above it), a significant rise "
+                    f"Its smoothed loss stayed near its lowest ({rise.lowest:.4g}) until about step {rise.step} and "
+                    f"ended at {rise.last:.4g} ({_pct((rise.last - rise.lowest) / abs(rise.lowest))} above it), a significant rise "
                     f"(t = {rise.t:.1f}); the run as a whole reads as {t.trend} only because of its earlier fall."
                 ),
                 recommendation=(
@@ -751,8 +752,8 @@ STALL_MIN_SHARE = 0.05
 STALL_MED_SHARE = 0.10
 """...MED from 10%."""
 _STALL_ADVICE = {
-    "other": "work between the optimizer step and the next batch: checkpoint saving, evaluation or logging "
-    "to disk in the training loop. Put it inside `scope.paused()` (it is then not charged to training), and "
+    "other": "work outside forward, backward and the optimizer step (before optimizer.step() or after it): "
+    "checkpoint saving, evaluation or logging to disk in the training loop. Put it inside `scope.paused()` (it is then not charged to training), and "
     "save asynchronously where you can (torch.distributed.checkpoint.async_save)",
     "data": "the input pipeline stopped: a loader's workers restarting (persistent_workers=True), slow or "
     "remote storage, a shuffle buffer refilling",
@@ -779,7 +780,7 @@ def stall(a: RunAnalysis) -> list[Finding]:
             f"every rank waited in communication, rank {worst.rank} the least ({worst.phase_ms / 1e3:.2f} s)"
         )
     elif worst.others_waited and a.world_size > 1:
-        where += " while the other ranks waited for it"
+        where += f" while the other rank{'s' if a.world_size > 2 else ''} waited for it"
     listed = ", ".join(str(s.step) for s in t.stalls)
     return [
         Finding(
@@ -894,9 +895,10 @@ _ADVICE = {
     "sync wait (imbalance)": "balance the ranks' work (see straggler findings)",
     "optimizer": "a faster optimizer step: its foreach or fused implementation (e.g. AdamW(fused=True) on "
     "CUDA), fewer parameter groups, no host syncs (.item(), .cpu()) in a custom step, sharded optimizer state",
-    "other": "move what runs between the phases off the step: per-step reads of tensors (.item(), .cpu() "
-    "wait for the device), metrics and logging, callbacks, gradient clipping by hand, copies of the batch to "
-    "the device (pin_memory=True, non_blocking=True)",
+    "other": "look at what runs between the phases: a loss computed outside the model (its forward, and its "
+    "backward up to the model's output, are `other`: a large one is real work, e.g. a fused or chunked cross-"
+    "entropy), per-step reads of tensors (.item(), .cpu() wait for the device), metrics and logging, callbacks, "
+    "gradient clipping by hand, copies of the batch to the device (pin_memory=True, non_blocking=True)",
 }
 
 
