@@ -7,7 +7,7 @@ prints. Non-finite numbers become None there, so `json.dumps(..., allow_nan=Fals
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from .analysis.convergence import Convergence
@@ -138,16 +138,7 @@ class Summary:
                     for i, r in enumerate(d.per_rank)
                 ],
                 "stragglers": list(d.stragglers),
-                "intermittent": {
-                    "rank": d.intermittent.rank,
-                    "phase": d.intermittent.phase,
-                    "extra_ms": d.intermittent.extra_ms,
-                    "steps": d.intermittent.steps,
-                    "slow_steps": d.intermittent.slow_steps,
-                    "every": d.intermittent.every,
-                }
-                if d.intermittent is not None
-                else None,
+                "intermittent": _fields(d.intermittent),
                 "transfer_ms": d.transfer_ms,
                 "transfer_share": d.transfer_share,
                 "sync_wait_share": d.sync_wait_share,
@@ -169,25 +160,8 @@ class Summary:
                     {"step": s.step, "loss": s.loss, "baseline": s.baseline, "ranks": list(s.ranks)}
                     for s in c.spikes
                 ],
-                "plateau": {
-                    "step": c.plateau.step,
-                    "steps": c.plateau.steps,
-                    "relative_change": c.plateau.relative_change,
-                    "bound": c.plateau.bound,
-                    "fall": c.plateau.fall,
-                }
-                if c.plateau is not None
-                else None,
-                "rise": {
-                    "step": c.rise.step,
-                    "steps": c.rise.steps,
-                    "lowest": c.rise.lowest,
-                    "last": c.rise.last,
-                    "relative_change": c.rise.relative_change,
-                    "t": c.rise.t,
-                }
-                if c.rise is not None
-                else None,
+                "plateau": _fields(c.plateau),
+                "rise": _fields(c.rise),
             },
             "efficiency": {
                 "budget": [
@@ -255,6 +229,11 @@ def summary_of(analysis: RunAnalysis, findings: list[Finding]) -> Summary:
         findings=tuple(findings),
         scope_errors=tuple(ctx.scope_errors),
     )
+
+
+def _fields(record: Any) -> dict[str, Any] | None:
+    """A small dataclass of the analysis (a plateau, a rise, an intermittent straggler) as JSON, or None."""
+    return asdict(record) if record is not None else None
 
 
 def _plain(x: Any) -> Any:
