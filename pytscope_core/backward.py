@@ -4,8 +4,9 @@ A pre-hook on the autograd node of each forward's output marks the start of back
 its cost (a large output layer, or a device clock); elsewhere persistent gradient-ready hooks on the
 parameters whose gradients come first do. Either queues an autograd engine final callback. That callback
 runs when the graph has finished computing ("graph done") and before DDP's own finalize, which waits for the
-gradient all-reduce; a second callback queued from the first runs after that wait. So `comm` = exposed gradient communication including any wait for slower
-peers, with no Python on DDP's per-bucket path (docs/MEASUREMENTS.md, items 1-3).
+gradient all-reduce; a second callback queued from the first runs after that wait. So `comm` = exposed
+gradient communication including any wait for slower peers, with no Python on DDP's per-bucket path
+(docs/MEASUREMENTS.md, items 1-3).
 
 A backward that none of the hooks saw (a branch of the model, e.g. one of several task heads, that the hooked
 parameters are not in) is noticed when the next forward ends or the optimizer steps: its gradient sync is
@@ -72,9 +73,7 @@ class BackwardTimer:
         self._queue_callback: Callable[[Callable[[], None]], None] | None = None
         self._output_hook = True  # a pre-hook on each forward's output (False once the trial finds it idle)
         self._trial_left = OUTPUT_TRIAL  # backwards left in which both hooks fire and their gap is measured
-        self._output_ns = (
-            0  # a trial backward: when the gradient reached the output (0: not yet, or no trial)
-        )
+        self._output_ns = 0  # a trial backward: when the gradient reached the output (0: not yet)
         self._gaps: list[int] = []  # the trial's output-to-first-parameter gaps, in ns
 
     def watch(self, model: Any, grad_hooks: bool = True) -> None:
@@ -207,11 +206,12 @@ class BackwardTimer:
         device_clock = not isinstance(self.recorder.clock, HostClock)
         gaps = sorted(self._gaps)
         self._output_hook = device_clock or bool(gaps) and gaps[len(gaps) // 2] >= OUTPUT_MIN_GAP_NS
-        if self._output_hook and self._ready_order is None:
-            for _, handle in self._grad_hooks:
-                handle.remove()
-            self._grad_hooks.clear()
-            self._kept.clear()
+        if self._output_hook:
+            self._kept.clear()  # a branch the pre-hook misses is learnt again when one goes unseen
+            if self._ready_order is None:  # (else the learning under way prunes them)
+                for _, handle in self._grad_hooks:
+                    handle.remove()
+                self._grad_hooks.clear()
 
     def _keep_first_ready(self, keep: int = 2) -> None:
         # A backward the output's pre-hook began needs no parameter hook. Else a few, not one: a parameter

@@ -194,10 +194,6 @@ def find_stalls(
     own_phases = [i for i, name in enumerate(PHASES) if name != "comm"]
     bar = np.maximum(STALL_FACTOR * typical, STALL_MIN_MS)
 
-    def local(i: int) -> np.ndarray:  # each rank's own work in step i (-inf: no record)
-        row = arrays.wall_ms[i] - np.nan_to_num(arrays.phases[i, :, comm], nan=0.0)
-        return np.where(np.isfinite(row), row, -np.inf)
-
     # A step's most own work (no (S, R) temporary beyond one slice: this runs over every counted step).
     most = np.fmax.reduce(
         arrays.wall_ms[steps] - np.nan_to_num(arrays.phases[steps, :, comm], nan=0.0), axis=1
@@ -209,7 +205,8 @@ def find_stalls(
     out: list[Stall] = []
     cost = 0.0
     for i in own:
-        row = local(i)
+        row = arrays.wall_ms[i] - np.nan_to_num(arrays.phases[i, :, comm], nan=0.0)  # each rank's own work
+        row = np.where(np.isfinite(row), row, -np.inf)
         r = int(np.argmax(row))
         excess = float(row[r] - typical[i])
         cost += excess
@@ -219,10 +216,8 @@ def find_stalls(
                 usual[r] = np.nanmedian(arrays.phases[steps, r][:, own_phases], axis=0)
         growth = np.nan_to_num(arrays.phases[i, r, own_phases] - usual[r], nan=-np.inf)
         p = own_phases[int(np.argmax(growth))]
-        waits = np.nan_to_num(arrays.phases[i : i + 2, :, comm], nan=0.0).max(
-            axis=0
-        )  # this step's or the next
-        others = np.delete(waits, r)
+        waits = np.nan_to_num(arrays.phases[i : i + 2, :, comm], nan=0.0)  # this step's and the next's
+        others = np.delete(waits.max(axis=0), r)
         waited = bool(others.size) and bool(others.min() >= 0.5 * excess)
         out.append(
             Stall(
