@@ -152,7 +152,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
     threshold = args.fail_on_regression
     if threshold is not None and comparison.regressed(threshold):
         print(
-            f"pytscope compare: {comparison.slowdown[0]} {comparison.slowdown[1]:+.1f}% (more than {threshold:g}% slower)",
+            f"pytscope compare: {comparison.slowdown[0]} {comparison.slowdown[1]:+.1f}% "
+            f"(more than {threshold:g}% slower)",
             file=sys.stderr,
         )
         return EXIT_FINDINGS

@@ -76,9 +76,8 @@ class Comparison:
     comm_note_b: str | None = None
     launches_a: tuple[int, ...] = ()  # each launch's number of ranks, when run A was resumed on another
     launches_b: tuple[int, ...] = ()
-    mean_ms_a: float = (
-        math.nan
-    )  # the mean step: what the job's wall time follows (the median hides rare slow steps)
+    # The mean step: what the job's wall time follows (the median hides rare slow steps).
+    mean_ms_a: float = math.nan
     mean_ms_b: float = math.nan
     ms_per_sample_a: float = math.nan  # counted wall per sample, all ranks' samples: NaN when not recorded
     ms_per_sample_b: float = math.nan

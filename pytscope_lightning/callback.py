@@ -56,8 +56,9 @@ class ScopeCallback(Callback):
     options are those of `pytscope_core.ScopeOptions` (validated here, in the user's process). Steps are
     numbered as Lightning's loggers number them (`trainer.global_step` while the step runs). Each fit is
     recorded: a later fit of the same trainer continues the run as a new segment, a fit of a new trainer
-    starts a new run, unless it resumes a checkpoint, whose run it continues. After the fit, `callback.scope.summary` holds rank 0's summary (under `ddp_spawn` the fit
-    ran in other processes: read the run directory instead, e.g. `pytscope report`).
+    starts a new run, unless it resumes a checkpoint, whose run it continues. After the fit,
+    `callback.scope.summary` holds rank 0's summary (under `ddp_spawn` the fit ran in other processes: read
+    the run directory instead, e.g. `pytscope report`).
     """
 
     def __init__(self, run_dir: str | None = None, **options: Any) -> None:

@@ -475,9 +475,10 @@ def input_bound(a: RunAnalysis) -> list[Finding]:
                 f"{worst.rank}), {_pct(share)} of its wall time."
             ),
             recommendation=(
-                "Raise DataLoader num_workers and prefetch_factor while workers x ranks per host stay under its "
-                "CPU cores (past that, make each sample cheaper: cache decoded data, augment on the device), set "
-                "pin_memory=True and persistent_workers=True, and move decoding/augmentation off the main process; "
+                "Raise DataLoader num_workers and prefetch_factor while workers x ranks per host stay under "
+                "its CPU cores (past that, make each sample cheaper: cache decoded data, augment on the "
+                "device), set pin_memory=True and persistent_workers=True, and move decoding/augmentation off "
+                "the main process; "
                 + (
                     "check those ranks' storage and shards first."
                     if some
@@ -624,9 +625,10 @@ def no_progress(a: RunAnalysis) -> list[Finding]:
                 severity=Severity.MED,
                 title=f"The loss has been rising since around step {rise.step}",
                 detail=(
-                    f"Its smoothed loss stayed near its lowest ({rise.lowest:.4g}) until about step {rise.step} and "
-                    f"ended at {rise.last:.4g} ({_pct((rise.last - rise.lowest) / abs(rise.lowest))} above it), a significant rise "
-                    f"(t = {rise.t:.1f}); the run as a whole reads as {t.trend} only because of its earlier fall."
+                    f"Its smoothed loss stayed near its lowest ({rise.lowest:.4g}) until about step {rise.step} "
+                    f"and ended at {rise.last:.4g} ({_pct((rise.last - rise.lowest) / abs(rise.lowest))} above "
+                    f"it), a significant rise (t = {rise.t:.1f}); the run as a whole reads as {t.trend} only "
+                    "because of its earlier fall."
                 ),
                 recommendation=(
                     "A training loss that turns up after falling usually means the learning rate is too high for this "
@@ -703,8 +705,9 @@ def jitter(a: RunAnalysis) -> list[Finding]:
     if who is not None:
         every = f", every {who.every} steps" if who.every else ""
         where = (
-            f" Rank {who.rank} makes {who.steps} of the {who.slow_steps} steps of 1.5x the median slow{every}: its own work "
-            f"grows by {who.extra_ms:.2f} ms there, most in `{who.phase}`, while the other ranks wait for it."
+            f" Rank {who.rank} makes {who.steps} of the {who.slow_steps} steps of 1.5x the median slow{every}: "
+            f"its own work grows by {who.extra_ms:.2f} ms there, most in `{who.phase}`, while the other ranks "
+            "wait for it."
         )
         advice = (
             f"Find what rank {who.rank} does in `{who.phase}` on those steps (step numbers: `pytscope trace`): "
@@ -753,8 +756,9 @@ STALL_MED_SHARE = 0.10
 """...MED from 10%."""
 _STALL_ADVICE = {
     "other": "work outside forward, backward and the optimizer step (before optimizer.step() or after it): "
-    "checkpoint saving, evaluation or logging to disk in the training loop. Put it inside `scope.paused()` (it is then not charged to training), and "
-    "save asynchronously where you can (torch.distributed.checkpoint.async_save)",
+    "checkpoint saving, evaluation or logging to disk in the training loop. Put it inside `scope.paused()` (it "
+    "is then not charged to training), and save asynchronously where you can "
+    "(torch.distributed.checkpoint.async_save)",
     "data": "the input pipeline stopped: a loader's workers restarting (persistent_workers=True), slow or "
     "remote storage, a shuffle buffer refilling",
     "forward": "a recompilation (a new input shape or a guard failing under torch.compile: TORCH_LOGS="
