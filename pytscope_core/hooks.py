@@ -1,7 +1,8 @@
 """Torch hooks that feed the recorder: model forward, the autograd engine, optimizer steps, the data loader.
 
-Nothing global is patched, and nothing is registered per step (except under FSDP2, where the waits sit behind
-hooks FSDP itself registers per step: `fsdp.py`). The model instance's `forward` is wrapped
+Nothing global is patched, and little is registered per step: a pre-hook on the forward's output where it
+earns its cost (`backward.BackwardTimer.forward_done`), and under FSDP2, where the waits sit behind hooks FSDP
+itself registers per step, those (`fsdp.py`). The model instance's `forward` is wrapped
 (module hooks would take every call off nn.Module's fast path); backward and exposed communication are
 timed from the autograd engine (`backward.BackwardTimer`); optimizer steps from torch's step hooks; the
 loader by giving that one instance a subclass whose iterator marks the wait for each batch (`loader.py`).
@@ -249,8 +250,8 @@ class TorchHooks:
             self.flop_estimate = None
 
     def forward_done(self, output: Any, grad_sync: bool) -> None:
-        """End of a micro-batch's forward. Without gradient-ready hooks (`watch_backward`), the backward is
-        timed through a hook on `output` instead."""
+        """End of a micro-batch's forward; its backward is timed from `output` where that earns its cost, else
+        from the gradient-ready hooks (`backward.BackwardTimer.forward_done`)."""
         if self.recorder.in_step:
             self.recorder.forward_ended(self._batch_samples)
             # A batch's samples count once, however many forwards it feeds (two models, a GAN's two
