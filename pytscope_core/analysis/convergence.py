@@ -167,9 +167,8 @@ class Plateau:
     step: int
     steps: int  # finite counted steps from there to the end
     relative_change: float  # last quarter of the tail against its first quarter
-    bound: (
-        float  # the most it may have moved (the change either way + PLATEAU_Z standard errors), of its level
-    )
+    # The most it may have moved (the change either way + PLATEAU_Z standard errors), of its level.
+    bound: float
     fall: float  # how much it had fallen before, of the level of the run's first quarter
 
 
@@ -207,7 +206,7 @@ class Rise:
     """Where a loss that had fallen turned up again, and by how much."""
 
     step: int  # where the rising tail's last block within noise of its lowest begins: the turn
-    lowest: float  # that block's mean
+    lowest: float  # the rising tail's lowest block mean
     steps: int  # finite counted steps from the turn to the end
     relative_change: float  # the tail's last quarter against its first quarter, of the first quarter's level
     t: float  # that change over its standard error

@@ -261,9 +261,9 @@ def _intermittent(
     gaps = np.diff(np.sort(numbers[mine]))
     every = 0
     if gaps.size >= 2:
-        values, counts = np.unique(gaps, return_counts=True)
-        if counts.max() >= 0.5 * gaps.size:
-            every = int(values[counts.argmax()])
+        spacings, times = np.unique(gaps, return_counts=True)
+        if times.max() >= 0.5 * gaps.size:
+            every = int(spacings[times.argmax()])
     return Intermittent(
         ranks[k],
         PHASES[int(np.argmax(growth))],

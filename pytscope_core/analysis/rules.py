@@ -701,7 +701,7 @@ def jitter(a: RunAnalysis) -> list[Finding]:
     cost = t.jitter_cost_share - t.stall_share  # stalled steps are TIMING.STALL's, not counted twice
     if not ratio >= JITTER_P95_RATIO or cost < JITTER_MIN_COST:
         return []
-    who = a.distributed.intermittent if a.distributed.comm_measured else None
+    who = a.distributed.intermittent  # (None where communication is not measured)
     if who is not None:
         every = f", every {who.every} steps" if who.every else ""
         where = (
