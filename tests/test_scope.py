@@ -712,12 +712,15 @@ def test_backward_starts_where_the_gradient_reaches_the_output_so_a_large_head_i
     # parameter's gradient is accumulated. Timed from the parameters' hooks alone, that was `other` (5% of
     # loss.backward() was `backward` in a 32k-vocabulary run).
     torch.manual_seed(0)
-    vocab = 8000
+    # A wide head: its gradient matmuls (128 x 512 x 8000, twice) far outweigh the cross-entropy's own
+    # forward and backward, which stay in `other` (at width 128 the two were level, and a busy machine
+    # could swap them).
+    vocab, width = 8000, 512
     model = torch.nn.Sequential(
-        torch.nn.Embedding(vocab, 128), torch.nn.Linear(128, 128), torch.nn.Linear(128, vocab)
+        torch.nn.Embedding(vocab, width), torch.nn.Linear(width, width), torch.nn.Linear(width, vocab)
     )
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    x, y = torch.randint(0, vocab, (256,)), torch.randint(0, vocab, (256,))
+    x, y = torch.randint(0, vocab, (128,)), torch.randint(0, vocab, (128,))
     scope = Scope(tmp_path, console=False, hang_timeout=None, interval=10, warmup=2).watch(model, opt)
     measured = []
     for _ in range(30):
