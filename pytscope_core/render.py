@@ -82,6 +82,8 @@ def render_run(summary: Summary) -> RenderableType:
     table.add_row("restarts", str(r.restarts))
     if r.parallelism:
         table.add_row("parallelism", Text(r.parallelism + (f": {r.comm_note}" if r.comm_note else "")))
+    for note in summary.scope_notes:  # what the scope could not measure, as it said while training
+        table.add_row("note", Text(note))
     for end in r.rank_ends:
         where = (
             "have no record"

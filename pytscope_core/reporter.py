@@ -8,6 +8,7 @@ thread-safe (`RunWriter` locks); console output is rich.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,8 @@ class RunReporter:
         self.meta = meta
         self.writer = RunWriter(run_dir, meta)
         self.console: Any = Console(stderr=False) if console else None
+        self._written = {"scope_error": 0, "scope_note": 0}  # how many of each the run's events hold
+        self._messages_lock = threading.Lock()
         note = comm_note(meta.get("parallelism"), meta.get("comm_measured") is not False)
         if self.console is not None and note is not None:  # once, when the run starts
             self.console.print(f"[bold]pytscope[/]: {escape(note)}", markup=True, highlight=False)
@@ -63,8 +66,14 @@ class RunReporter:
             self.console.print("[bold red]pytscope: hang detected[/]")
             self.console.print(render_findings([finding]))
 
-    def error(self, message: str) -> None:
-        self.writer.event("scope_error", message=message)
+    def messages(self, errors: list[str], notes: list[str]) -> None:
+        """The scope's own errors and its notes on what it could not measure, each written once (as they come:
+        `errors` and `notes` only grow). Called from the training thread and, for a disabled scope, a hook's."""
+        with self._messages_lock:
+            for kind, items in (("scope_error", errors), ("scope_note", notes)):
+                for message in items[self._written[kind] :]:
+                    self.writer.event(kind, message=message)
+                    self._written[kind] += 1
 
     def cost(self, **fields: Any) -> None:
         self.writer.event("scope_cost", **fields)

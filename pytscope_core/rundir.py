@@ -368,7 +368,7 @@ def _context(
 ) -> RunContext:
     """The run's context from its settings and events; an event that cannot be read is left out, and said
     in `problems` by kind (a damaged hang report must not vanish without a word)."""
-    segments, counts, replicas, hangs, errors = [], [], [], [], []
+    segments, counts, replicas, hangs, errors, notes = [], [], [], [], [], []
     unreadable: dict[str, int] = {}
     world = int(meta.get("world_size") or arrays.world_size or 1)
     for e in events:
@@ -403,6 +403,8 @@ def _context(
                 hangs.append(dict(e["finding"]))
             elif kind == "scope_error":
                 errors.append(str(e.get("message", "")))
+            elif kind == "scope_note":
+                notes.append(str(e["message"]))
         except (KeyError, TypeError, ValueError):
             unreadable[str(kind)] = unreadable.get(str(kind), 0) + 1
     problems.extend(f"{n} {kind} event(s) could not be read" for kind, n in unreadable.items())
@@ -415,4 +417,5 @@ def _context(
         replica_checks=tuple(replicas),
         hang_reports=tuple(hangs),
         scope_errors=tuple(errors),
+        scope_notes=tuple(notes),
     )

@@ -65,12 +65,13 @@ class Scope:
         self.flops = StepFlops(options.flops_per_step, options.warmup, precision)
         self.recorder = StepRecorder(clock=clock, step_origin=step_origin)
         self.recorder.on_step_closed = self._after_step
-        self.hooks = TorchHooks(self.recorder, self.fail, self.say)
+        self.hooks = TorchHooks(self.recorder, self.fail, self.note)
         self.coordinator = Coordinator(self.recorder, options.interval, options.gather_timeout)
         self.session: RunSession | None = None  # from start() to the end
         self.metrics_sink: Callable[[dict[str, float], int], None] | None = None
         self.enabled = True
-        self.errors: list[str] = []
+        self.errors: list[str] = []  # the scope's own failures (`fail`), in the run as "scope errors"
+        self.notes: list[str] = []  # what it could not measure (e.g. a loader never iterated), in the run too
         self.segment = 0
         self.resumed_from_step = 0
         self.summary: Any = None  # end-of-run Summary (rank 0)
@@ -324,13 +325,15 @@ class Scope:
         self.flops.cancel()
         self.hooks.flop_estimate = None
         message = f"internal error, {SCOPE_DISABLED}, training continues: {type(exc).__name__}: {exc}"
+        self.errors.append(message)
         if self.session is not None:
-            self.session.disabled(message)  # the watchdog stops first, as before anything else can block
-        self.note_error(message)
+            self.session.disabled()  # the watchdog stops first, as before anything else can block
+        self.say(message)
         self.coordinator.announce_disabled()
 
-    def note_error(self, message: str, warn: bool = True) -> None:
-        self.errors.append(message)
+    def note(self, message: str, *, error: bool = False, warn: bool = True) -> None:
+        """Keep `message` for the run: an `error` of the scope's own, or a limit of what it measures; `warn`: say it."""
+        (self.errors if error else self.notes).append(message)
         if warn:
             self.say(message)
 

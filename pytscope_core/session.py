@@ -50,7 +50,6 @@ class RunSession:
         self.gather_ms: list[float] = []  # each gather: resolving the window and the exchange, every rank
         self.traffic: list[tuple[int, int]] = []  # each gather: payload bytes (sent, received) on this rank
         self._epoch_offset = time.time() - time.perf_counter()  # host perf_counter -> seconds since epoch
-        self._errors_written = 0  # rank 0: how many of scope.errors the run's events hold
         if self.rank == 0:
             self._open_run()
         self._watchdog: Any = None
@@ -86,7 +85,7 @@ class RunSession:
         if placement.known:  # every launch: a resumed run may land on other hosts
             self.reporter.learnt(**placement.to_meta())
         self.ingest = BackgroundIngest(self.live, threaded=scope.coordinator.world_size > 1)
-        self._write_errors()  # those from before the run existed (e.g. in watch())
+        self.reporter.messages(scope.errors, scope.notes)  # those from before the run existed (in watch())
         if scope.flops.learnt:
             self.reporter.learnt(**scope.flops.take_learnt())
 
@@ -175,13 +174,13 @@ class RunSession:
         if self._watchdog is not None:
             self._watchdog.stop()
 
-    def disabled(self, message: str) -> None:
+    def disabled(self) -> None:
         """The scope disabled itself: no more watching for progress (without marks that would call a hang),
-        and the run says why."""
+        and the run says why (the scope's last error)."""
         self.stop_watching()
         if self.reporter is not None:
             with contextlib.suppress(OSError, ValueError):
-                self.reporter.error(message)
+                self.reporter.messages(self.scope.errors, self.scope.notes)
 
     def _on_sigterm(self) -> None:
         if self.ingest is not None:  # rank 0: what the other ranks sent is written before the process ends
@@ -236,6 +235,7 @@ class RunSession:
         if self.live is not None and ex is not None:
             from .ingest import Gathered
 
+            self.reporter.messages(scope.errors, scope.notes)  # (a run killed later still says them)
             # What rank 0 learnt since the last gather (e.g. FLOPs counted in warm-up) goes with the rows.
             learnt = scope.flops.take_learnt() if scope.flops.learnt else None
             gathers, step = scope.coordinator.gathers, scope.step_label()
@@ -265,11 +265,12 @@ class RunSession:
             self._watchdog.status = "finished"
         if scope.enabled:
             if coordinator.distributed and not dist_alive():
-                scope.note_error(
+                scope.note(
                     ("finish() was not called; at exit" if forgotten else "finish() ran after")
                     + " the process group was destroyed: the other ranks' last steps are in their own files "
                     "(ranks/), not in this summary; call finish() before destroy_process_group() / "
-                    "accelerator.end_training()"
+                    "accelerator.end_training()",
+                    error=True,
                 )
                 coordinator.gatherer = None
                 if self.rank != 0:  # rank 0 writes its own below, as a process of its own
@@ -277,7 +278,7 @@ class RunSession:
             elif coordinator.distributed:
                 absent = coordinator.all_ranks_arrive(scope.segment)
                 if absent is not None:
-                    scope.note_error(absent)
+                    scope.note(absent, error=True)
                     self.flush_own_rows("finish without every rank")
                     coordinator.gatherer = None
             if coordinator.distributed or self.rank == 0:
@@ -289,14 +290,8 @@ class RunSession:
         """End without meeting the other ranks: this rank's rows go to its own file; rank 0 reports."""
         self.stop_watching()
         self.flush_own_rows(reason)
-        self.scope.note_error(f"stopped without a final gather: {reason}", warn=False)
+        self.scope.note(f"stopped without a final gather: {reason}", error=True, warn=False)
         return self.report()
-
-    def _write_errors(self) -> None:
-        assert self.reporter is not None
-        for message in self.scope.errors[self._errors_written :]:
-            self.reporter.error(message)
-        self._errors_written = len(self.scope.errors)
 
     def report(self) -> Any:
         if self.reporter is None:
@@ -304,7 +299,7 @@ class RunSession:
         self._close_ingest()
         if self.scope.flops.learnt:
             self.reporter.learnt(**self.scope.flops.take_learnt())
-        self._write_errors()
+        self.reporter.messages(self.scope.errors, self.scope.notes)
         gatherer = self.scope.coordinator.gatherer
         self.reporter.cost(
             gathers=self.scope.coordinator.gathers,
@@ -321,11 +316,13 @@ class RunSession:
     def _close_ingest(self) -> None:
         """Every gather handed over is written (and its diagnosis published) before the summary reads the run."""
         if not self.ingest.close():
-            self.scope.note_error("the live diagnosis did not finish in time; the summary may miss a gather")
+            self.scope.note(
+                "the live diagnosis did not finish in time; the summary may miss a gather", error=True
+            )
         try:
             self.ingest.raise_error()
         except RuntimeError as exc:
-            self.scope.note_error(str(exc))
+            self.scope.note(str(exc), error=True)
         with contextlib.suppress(Exception):  # a logger failing at the end must not cost the summary
             self.live.publish_metrics(self.scope.step_label())
 

@@ -52,6 +52,7 @@ class Summary:
     duplicates: DuplicateShards
     findings: tuple[Finding, ...]
     scope_errors: tuple[str, ...]
+    scope_notes: tuple[str, ...] = ()  # what the scope could not measure (RunContext.scope_notes)
 
     def to_dict(self) -> dict[str, Any]:
         g = self.efficiency.goodput
@@ -191,7 +192,7 @@ class Summary:
                 "peak_fraction": m.peak_fraction,
             },
             "findings": [f.to_dict() for f in self.findings],
-            "scope": {"errors": list(self.scope_errors)},
+            "scope": {"errors": list(self.scope_errors), "notes": list(self.scope_notes)},
         }
         return _plain(out)
 
@@ -228,6 +229,7 @@ def summary_of(analysis: RunAnalysis, findings: list[Finding]) -> Summary:
         duplicates=analysis.duplicates,
         findings=tuple(findings),
         scope_errors=tuple(ctx.scope_errors),
+        scope_notes=tuple(ctx.scope_notes),
     )
 
 

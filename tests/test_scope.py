@@ -592,14 +592,16 @@ def test_each_scope_error_is_in_the_run_once(tmp_path):
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     scope = Scope(tmp_path, console=False, hang_timeout=None, interval=5)
     scope.watch(model, opt)
-    scope.note_error("before the run", warn=False)
+    scope.note("before the run", error=True, warn=False)
     for _ in range(3):
         model(torch.randn(2, 4)).sum().backward()
         opt.step()
         opt.zero_grad()
-    scope.note_error("after the start", warn=False)
+    scope.note("after the start", error=True, warn=False)
+    scope.fail(RuntimeError("injected"))  # written when the scope disables itself, and not again at the end
     scope.finish()
-    assert load_run(tmp_path).context.scope_errors == ("before the run", "after the start")
+    (disabled,) = [e for e in load_run(tmp_path).context.scope_errors if "injected" in e]
+    assert load_run(tmp_path).context.scope_errors == ("before the run", "after the start", disabled)
 
 
 def test_tensors_and_numpy_numbers_are_logged_as_numbers_one_line_per_step(tmp_path):
@@ -703,8 +705,14 @@ def test_a_watched_loader_the_loop_never_iterates_is_said_and_the_forwards_time_
     err = capsys.readouterr().err
     assert "the loader given to watch() was not iterated before the first optimizer step" in err
     assert "compiled" not in err  # not blamed on torch.compile
-    arrays = load_run(tmp_path).arrays
-    assert arrays.n_steps == 39 and (arrays.samples == 16).all()  # from the second step on
+    run = load_run(tmp_path)
+    assert run.arrays.n_steps == 39 and (run.arrays.samples == 16).all()  # from the second step on
+    # The report says it too (its data wait reads 0), once, as it is read back later by `pytscope report`.
+    (note,) = run.context.scope_notes
+    assert note.startswith("the loader given to watch() was not iterated") and run.context.scope_errors == ()
+    assert summarize(run.arrays, run.context).to_dict()["scope"]["notes"] == [note]
+    assert main(["report", str(tmp_path)]) == 0
+    assert "was not iterated" in " ".join(capsys.readouterr().out.split())  # (rich wraps long lines)
 
 
 def test_backward_starts_where_the_gradient_reaches_the_output_so_a_large_head_is_backward(tmp_path):
