@@ -72,7 +72,10 @@ def attribute(marks: Sequence[int], times_ms: Sequence[float]) -> tuple[list[flo
         prev = t
         opens, closes = _TRANSITIONS.get(mark, (None, None))
         if closes is not None and closes in stack:
-            del stack[len(stack) - 1 - stack[::-1].index(closes) :]  # the innermost open one
+            innermost = len(stack) - 1 - stack[::-1].index(closes)
+            # A nested wait's end resumes what opened during it (backward can begin in the wait for FSDP's
+            # all-gather before it); any other close also ends what opened inside it.
+            del stack[innermost : innermost + 1 if mark == Mark.COMM_END else None]
         if opens is not None:
             stack.append(opens)
     excluded = acc[EXCLUDED]

@@ -41,6 +41,25 @@ def test_a_close_without_open_is_ignored_and_an_open_phase_runs_to_the_end():
     assert phases[5] == 3 and phases[1] == 7 and wall == 10
 
 
+def test_backward_that_begins_inside_a_nested_wait_continues_after_it():
+    # FSDP2 with the loss's autograd node inside the model's output: FSDP's own pre-backward hook on the
+    # output starts a wait for an all-gather, and the output's pre-hook begins backward inside that wait.
+    marks = [
+        M.STEP_START,
+        M.COMM_BEGIN,
+        M.BACKWARD_BEGIN,
+        M.COMM_END,
+        M.COMM_BEGIN,  # a reduce-scatter's wait in backward
+        M.COMM_END,
+        M.GRAPH_DONE,
+        M.BACKWARD_END,
+        M.STEP_END,
+    ]
+    phases, _, wall = attribute(marks, [0, 1, 2, 3, 5, 6, 9, 10, 11])
+    data, forward, backward, comm, optimizer, other = phases
+    assert (backward, comm, other) == (6, 3, 2) and wall == 11
+
+
 def test_gradient_accumulation_micro_batches_add_up():
     one = [
         M.DATA_BEGIN,
