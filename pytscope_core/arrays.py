@@ -30,6 +30,9 @@ class RunArrays:
     grad_syncs: np.ndarray  # (S, R)
     micro_batches: np.ndarray  # (S, R)
     batch_fp: np.ndarray  # (S, R) hash of the step's first batch on that rank (every 8th step), else NaN
+    optimizer_steps: (
+        np.ndarray
+    )  # (S, R) optimizer.step() calls in the step; NaN in runs from before the column
     segment: np.ndarray  # (S, R) float64, NaN where missing
     counted: np.ndarray  # (S,) bool: step is past the warm-up of its segment (statistics use these)
     replayed: np.ndarray = field(default_factory=lambda: np.empty((0, NCOLS)))  # rows superseded by a resume
@@ -121,6 +124,7 @@ class RunArrays:
             grad_syncs=column("grad_syncs"),
             micro_batches=column("micro_batches"),
             batch_fp=column("batch_fp"),
+            optimizer_steps=column("optimizer_steps"),
             segment=segment,
             counted=_past_warmup(steps, segment, warmup),
             replayed=replayed,
@@ -172,6 +176,7 @@ class RunArrays:
             grad_syncs=per_rank(None, 1.0),
             micro_batches=per_rank(None, 1.0),
             batch_fp=per_rank(None, np.nan),
+            optimizer_steps=per_rank(None, 1.0),
             segment=per_rank(None, 0.0),
             counted=np.arange(s) >= warmup,
         )

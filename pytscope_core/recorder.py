@@ -331,6 +331,7 @@ class StepRecorder:
         rows[:, COL["loss"]] = step_losses([w.losses for w in window])
         rows[:, COL["batch_fp"]] = resolve_fingerprints([w.fingerprint for w in window])
         rows[:, [COL["samples"], COL["mem_bytes"], COL["grad_syncs"], COL["micro_batches"]]] = meta[:, 2:]
+        rows[:, COL["optimizer_steps"]] = [w.marks.count(_OPTIMIZER_END) for w in window]
         return rows
 
 

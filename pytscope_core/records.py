@@ -29,6 +29,7 @@ COLUMNS: tuple[str, ...] = (
     "grad_syncs",  # gradient synchronisations (DDP all-reduce rounds) completed in this step
     "micro_batches",  # forward passes in the step (gradient-accumulation window)
     "batch_fp",  # a 48-bit hash of the step's first batch (batches.py), every 8th step; NaN otherwise
+    "optimizer_steps",  # optimizer.step() calls completed in the step (one per optimizer, so 2 for a GAN's)
 )
 COL = {name: i for i, name in enumerate(COLUMNS)}
 NCOLS = len(COLUMNS)

@@ -487,9 +487,36 @@ def test_with_two_ranks_a_desync_blames_nobody_the_counts_cannot_single_out():
     found = [f for f in diagnose(arrays, ctx, strict=True) if f.code == "DIST.DESYNC"]
     by_gather = next(f for f in found if "gather" in f.title)
     assert by_gather.ranks == (0, 1) and "rank 0: steps 50; rank 1: steps 49" in by_gather.detail
-    assert next(f for f in found if f.steps == (40,)).ranks == (1,)
+    per_step = next(f for f in found if f.steps == (40,))
+    assert per_step.ranks == (1,) and "rank 1: 2, against 1 on the other ranks" in per_step.detail
+    assert "an optimizer step that did not happen there" in per_step.detail
     (end,) = analyze(arrays, ctx).rank_ends
     assert end.rank == 1 and "fewer optimizer steps" in end.reason
+
+
+def test_an_extra_optimizer_step_on_one_rank_is_a_desync_at_its_step():
+    # Rank 1 called optimizer.step() twice in step 37: both calls fall in one step (the loop top closes it),
+    # so no count of steps or syncs differs, only the optimizer steps in that step. Two optimizers stepping
+    # in every step on every rank (a GAN) are no desync.
+    base = make_run(50, 2)
+    stepped = np.ones((50, 2))
+    stepped[36, 1] = 2
+    phases, loss = np.asarray(base.phases), np.asarray(base.loss[:, 0])
+    arrays = RunArrays.from_arrays(phases, loss=loss, optimizer_steps=stepped)
+    # From then on the two replicas differ: with no majority, the drift is pinned on the rank that desynced.
+    ctx = RunContext(
+        world_size=2, replica_checks=(ReplicaCheck(25, (1.0, 1.0)), ReplicaCheck(50, (2.0, 2.1)))
+    )
+    findings = {f.code: f for f in diagnose(arrays, ctx, strict=True)}
+    found = findings["DIST.DESYNC"]
+    assert found.ranks == (1,) and found.steps == (37,) and found.severity == Severity.HIGH
+    assert found.title == "Optimizer steps diverge at step 37"
+    assert "an optimizer step the other ranks did not take" in found.detail
+    drift = findings["DIST.REPLICA_DRIFT"]
+    assert drift.ranks == (1,)
+    assert "No majority singles a rank out; DIST.DESYNC names rank 1 at step 37" in drift.detail
+    gan = RunArrays.from_arrays(phases, loss=loss, optimizer_steps=np.full((50, 2), 2.0))
+    assert not [f for f in diagnose(gan, RunContext(world_size=2)) if f.code == "DIST.DESYNC"]
 
 
 @pytest.mark.parametrize(

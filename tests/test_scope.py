@@ -17,7 +17,8 @@ from pytscope_core import Scope, backward
 from pytscope_core.backward import OUTPUT_TRIAL
 from pytscope_core.cli import main
 from pytscope_core.live import LIVE_STEPS
-from pytscope_core.rundir import load_run
+from pytscope_core.records import COL
+from pytscope_core.rundir import load_run, read_rows
 from pytscope_core.summary import summarize
 from pytscope_core.timeline import Mark
 from pytscope_core.watchdog import HANG_EXIT_CODE
@@ -583,6 +584,19 @@ def test_a_new_run_into_a_directory_that_holds_a_run_goes_beside_it(tmp_path, ca
     assert "holds an earlier run" in capsys.readouterr().err
     assert load_run(tmp_path / "exp1").arrays.n_steps == 30
     assert load_run(tmp_path / "exp1-2").arrays.n_steps == 20  # (a resume continues in place: above)
+
+
+def test_each_step_records_how_many_optimizer_steps_it_held(tmp_path):
+    # Two optimizer.step() calls before the next forward fall in one step (the loop top closes it): the
+    # record says so, which is how an extra step on one rank shows up (DIST.DESYNC, test_analysis).
+    scope, model, opt = watched_linear(tmp_path, interval=5)
+    for i in range(8):
+        model(torch.randn(2, 8)).sum().backward()
+        for _ in range(2 if i == 3 else 1):
+            opt.step()
+        opt.zero_grad()
+    scope.finish()
+    assert read_rows(tmp_path)[:, COL["optimizer_steps"]].tolist() == [1, 1, 1, 2, 1, 1, 1, 1]
 
 
 def test_each_scope_error_is_in_the_run_once(tmp_path):

@@ -70,12 +70,14 @@ class RankTiming:
 
 
 @dataclass(frozen=True)
-class SyncDivergence:
-    """First step where a rank's gradient-sync count departs from the majority (cumulative counts diverge)."""
+class CountDivergence:
+    """First step where a rank's count of gradient syncs or of optimizer steps departs from the majority's
+    (from there its cumulative count differs)."""
 
+    counter: str  # "grad_syncs" or "optimizer_steps" (the records' column)
     step: int
     ranks: tuple[int, ...]
-    counts: tuple[float, ...]  # those ranks' grad_syncs in that step
+    counts: tuple[float, ...]  # those ranks' counts in that step
     majority: float
 
 
@@ -104,7 +106,7 @@ class DistributedTiming:
     lost_ms_per_step: float  # the same, in ms per counted step
     next_slowest_local_ms: float  # median local work of the slowest rank outside the candidates
     steps_counted: int
-    sync_divergence: SyncDivergence | None
+    count_divergence: CountDivergence | None
     split_is_estimate: bool = True
     comm_measured: bool = True  # False: local work, the straggler gates and the transfer split are off
     note: str | None = None  # why, when they are off
@@ -218,7 +220,7 @@ def _distributed_timing(arrays: RunArrays, sel: np.ndarray) -> DistributedTiming
         lost_ms_per_step=lost_ms if is_straggler.any() else 0.0,
         next_slowest_local_ms=next_local,
         steps_counted=n,
-        sync_divergence=sync_divergence(arrays),
+        count_divergence=count_divergence(arrays),
         intermittent=intermittent,
     )
 
@@ -307,15 +309,23 @@ def _straggler_cost(local: np.ndarray, slow: np.ndarray) -> tuple[float, float]:
     return float(lost.mean(dtype=np.float64)), float(np.median(slowest_good))
 
 
-def sync_divergence(arrays: RunArrays) -> SyncDivergence | None:
-    """First step where some rank's gradient-sync count differs from the majority's.
+def count_divergence(arrays: RunArrays) -> CountDivergence | None:
+    """The first step where some rank's gradient syncs, or else its optimizer steps, differ from the
+    majority's: a skipped or extra optimizer step, `no_sync()` on some ranks only. (An extra optimizer step
+    changes no count of syncs or of steps: the loop top closes a step, so both calls fall in one.)"""
+    found = [d for d in (_divergence(arrays, "grad_syncs"), _divergence(arrays, "optimizer_steps")) if d]
+    return min(found, key=lambda d: d.step) if found else None  # (syncs first at the same step)
+
+
+def _divergence(arrays: RunArrays, counter: str) -> CountDivergence | None:
+    """First step where some rank's per-step `counter` differs from the majority's.
 
     Before that step every rank's cumulative count is equal, so the first per-step difference is exactly
     where a rank's cumulative count falls behind or runs ahead.
     """
-    g = arrays.grad_syncs
+    g = getattr(arrays, counter)
     if g.shape[1] < 2 or g.shape[0] == 0:
-        return None
+        return None  # (a run from before the optimizer_steps column has NaN there: no divergence)
     with np.errstate(invalid="ignore"):
         differs = np.isfinite(g) & np.isfinite(g[:, :1]) & (g != g[:, :1])
         present = np.isfinite(g)
@@ -337,7 +347,8 @@ def sync_divergence(arrays: RunArrays) -> SyncDivergence | None:
         values, counts = np.unique(g[np.isfinite(g)], return_counts=True)
     majority = float(values[counts.argmax()]) if values.size else math.nan
     off = np.flatnonzero(~np.isfinite(row) | (row != majority))
-    return SyncDivergence(
+    return CountDivergence(
+        counter=counter,
         step=int(arrays.steps[i]),
         ranks=tuple(int(arrays.ranks[j]) for j in off),
         counts=tuple(float(row[j]) for j in off),
@@ -373,7 +384,7 @@ def _empty(arrays: RunArrays, ranks: list[int]) -> DistributedTiming:
         lost_ms_per_step=0.0,
         next_slowest_local_ms=nan,
         steps_counted=0,
-        sync_divergence=sync_divergence(arrays),
+        count_divergence=count_divergence(arrays),
     )
 
 

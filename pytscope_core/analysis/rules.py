@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable
 import numpy as np
 
 from ..findings import Finding, Severity, format_ranks, severity_at
+from .distributed import CountDivergence
 from .run import RunAnalysis
 from .timing import few_steps_note
 
@@ -354,26 +355,50 @@ def desync(a: RunAnalysis) -> list[Finding]:
                 )
             )
             break  # the first divergence is what matters; later ones follow from it
-    div = a.distributed.sync_divergence
+    div = a.distributed.count_divergence
     if div is not None:
-        listed = ", ".join(f"rank {r}: {c:g}" for r, c in zip(div.ranks, div.counts, strict=False))
-        out.append(
-            Finding(
-                code="DIST.DESYNC",
-                severity=Severity.HIGH,
-                title=f"Gradient syncs diverge at step {div.step}",
-                detail=(
-                    f"At step {div.step} rank(s) {format_ranks(div.ranks)} did a different number of gradient "
-                    f"syncs than the majority ({div.majority:g}): {listed} (NaN = no record). From here "
-                    f"their cumulative sync counts differ."
-                ),
-                recommendation=_DESYNC_ADVICE,
-                ranks=div.ranks,
-                steps=(div.step,),
-                evidence={"step": float(div.step), "majority": div.majority},
-            )
-        )
+        out.append(_divergence_finding(div))
     return out
+
+
+def _divergence_finding(div: CountDivergence) -> Finding:
+    listed = ", ".join(f"rank {r}: {c:g}" for r, c in zip(div.ranks, div.counts, strict=False))
+    what, cause = _COUNTERS[div.counter]
+    more = [c for c in div.counts if c > div.majority]  # (NaN: no record, neither more nor fewer)
+    hint = cause[0] if more and len(more) == len(div.counts) else cause[1] if not more else ""
+    return Finding(
+        code="DIST.DESYNC",
+        severity=Severity.HIGH,
+        title=f"{what.capitalize()} diverge at step {div.step}",
+        detail=(
+            f"In step {div.step} the ranks made different numbers of {what}: {listed}, against {div.majority:g} "
+            f"on the other ranks (NaN = no record). From here their cumulative counts differ"
+            f"{f': {hint}' if hint else ''}."
+        ),
+        recommendation=_DESYNC_ADVICE,
+        ranks=div.ranks,
+        steps=(div.step,),
+        evidence={"step": float(div.step), "majority": div.majority},
+    )
+
+
+_COUNTERS = {  # counter: (its name in a sentence, (its cause when more than the others', when fewer))
+    "grad_syncs": (
+        "gradient syncs",
+        (
+            "more syncs in one step mean an optimizer step that did not happen there (the next iteration's "
+            "backward fell into the same step), or no_sync() on the other ranks",
+            "fewer mean no_sync() (or a shorter accumulation window) on these ranks only",
+        ),
+    ),
+    "optimizer_steps": (
+        "optimizer steps",
+        (
+            "an optimizer step the other ranks did not take (their parameters now differ: DIST.REPLICA_DRIFT)",
+            "an optimizer step these ranks did not take (their parameters now differ: DIST.REPLICA_DRIFT)",
+        ),
+    ),
+}
 
 
 _DESYNC_ADVICE = (
@@ -409,15 +434,26 @@ def replica_drift(a: RunAnalysis) -> list[Finding]:
     ranks = tuple(int(r) for r in np.flatnonzero(drift.any(axis=0)))
     first_ranks = np.flatnonzero(drift[first])
     rel = float(np.max(np.abs(sums[first, first_ranks] - majority[first, 0])) / scale[first, 0])
+    which = (
+        f"the parameter checksum of rank(s) {format_ranks(first_ranks.tolist())} differs from the majority"
+    )
+    who = ""
+    if 2 * first_ranks.size >= np.count_nonzero(np.isfinite(sums[first])):  # (2 ranks: no majority)
+        which, who = "the ranks' parameter checksums differ", " No majority singles a rank out"
+        div = a.distributed.count_divergence
+        if div is not None:  # the rank whose counts departed first is the likely one
+            named = f"rank{'s' if len(div.ranks) > 1 else ''} {format_ranks(div.ranks)}"
+            who += f"; DIST.DESYNC names {named} at step {div.step}, before it"
+            ranks = div.ranks
+        who += "."
     return [
         Finding(
             code="DIST.REPLICA_DRIFT",
             severity=Severity.HIGH,
             title="Data-parallel replicas no longer hold the same parameters",
             detail=(
-                f"From step {int(steps[first])} the parameter checksum of rank(s) {format_ranks(first_ranks.tolist())} "
-                f"differs from the majority by {rel:.2e} (relative; tolerance {REPLICA_REL_TOL:g}); "
-                f"{rows.size} of {len(checks)} checks disagree. Training is no longer equivalent to one worker."
+                f"From step {int(steps[first])} {which} by {rel:.2e} (relative; tolerance {REPLICA_REL_TOL:g}); "
+                f"{rows.size} of {len(checks)} checks disagree.{who} Training is no longer equivalent to one worker."
             ),
             recommendation=(
                 "Check for parameters updated outside DDP's gradient sync first: buffers or weights changed "
