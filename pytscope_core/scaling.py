@@ -123,7 +123,8 @@ def counted_work(run: Run) -> tuple[float, float, float, float | None]:
 
 
 def time_to_target(run: Run, target_loss: float) -> tuple[float | None, int | None]:
-    """Sum of step walls (rank mean, warm-up included) through the first step with loss <= target, and that step."""
+    """Sum of step walls (rank mean, warm-up included) through the first step with loss <= target, and that step.
+    Time outside the steps (validation, checkpoints, the scope's own start and gathers) is not training: left out."""
     a = run.arrays
     loss = loss_per_step(a)
     with np.errstate(invalid="ignore"):
