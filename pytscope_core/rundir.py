@@ -403,8 +403,8 @@ def _context(
                 hangs.append(dict(e["finding"]))
             elif kind == "scope_error":
                 errors.append(str(e.get("message", "")))
-            elif kind == "scope_note":
-                notes.append(str(e["message"]))
+            elif kind == "scope_note" and str(e.get("message", "")) not in notes:  # (each launch says it)
+                notes.append(str(e.get("message", "")))
         except (KeyError, TypeError, ValueError):
             unreadable[str(kind)] = unreadable.get(str(kind), 0) + 1
     problems.extend(f"{n} {kind} event(s) could not be read" for kind, n in unreadable.items())

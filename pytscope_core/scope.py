@@ -80,7 +80,7 @@ class Scope:
         self._clock = clock
         self._started = False
         self._finished = False
-        self._models: list[Any] = []  # the models watched
+        self._watched: list[Any] = []  # the models and optimizers watched
         self._at_exit: Callable[[], Any] | None = None  # ends the run at interpreter exit if nothing else did
         self.scalars = ScalarLog()  # rank 0's extra scalars, written at the next gather
         self.hooks.flop_estimate = self.flops.estimate
@@ -89,10 +89,6 @@ class Scope:
     @property
     def rank(self) -> int:
         return self.coordinator.rank if self._started else current_rank()  # the coordinator's: from start
-
-    @property
-    def world_size(self) -> int:
-        return self.coordinator.world_size
 
     @property
     def finished(self) -> bool:
@@ -126,8 +122,8 @@ class Scope:
             self.say("watch() after finish(): this scope has ended and records nothing; make a new Scope")
             return self
         try:
-            if model is not None and all(m is not model for m in self._models):  # twice would count twice
-                self._models.append(model)
+            if model is not None and all(m is not model for m in self._watched):  # twice would count twice
+                self._watched.append(model)
                 device = _cuda_device_of(model) if self._clock is None else None
                 if device is not None:
                     self.use_cuda_clock(device)
@@ -137,7 +133,10 @@ class Scope:
                 if self.hooks.is_ddp:
                     self.replicated_model = model
             for opt in optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]:
-                if opt is not None:
+                if opt is not None and all(
+                    o is not opt for o in self._watched
+                ):  # each step would count twice
+                    self._watched.append(opt)
                     self.hooks.watch_optimizer(opt, pre_hook=optimizer_pre_hook)
             if loader is not None:
                 self.hooks.watch_loader(loader)
@@ -306,7 +305,7 @@ class Scope:
             if self.session is not None:
                 self.session.release()
             self.hooks.remove()
-            self._models.clear()  # (the user's models are not kept alive by an ended scope)
+            self._watched.clear()  # (the user's models are not kept alive by an ended scope)
             self.recorder.stop()
             self.coordinator.destroy()
         return self.summary

@@ -176,7 +176,7 @@ class RunSession:
 
     def disabled(self) -> None:
         """The scope disabled itself: no more watching for progress (without marks that would call a hang),
-        and the run says why (the scope's last error)."""
+        and the run says why (the errors and notes not written yet)."""
         self.stop_watching()
         if self.reporter is not None:
             with contextlib.suppress(OSError, ValueError):

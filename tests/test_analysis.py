@@ -503,7 +503,7 @@ def test_with_two_ranks_a_desync_blames_nobody_the_counts_cannot_single_out():
     by_gather = next(f for f in found if "gather" in f.title)
     assert by_gather.ranks == (0, 1) and "rank 0: steps 50; rank 1: steps 49" in by_gather.detail
     per_step = next(f for f in found if f.steps == (40,))
-    assert per_step.ranks == (1,) and "rank 1: 2, against 1 on the other ranks" in per_step.detail
+    assert per_step.ranks == (1,) and "rank 1: 2, against 1 on the other rank." in per_step.detail
     assert "an optimizer step that did not happen there" in per_step.detail
     (end,) = analyze(arrays, ctx).rank_ends
     assert end.rank == 1 and "fewer optimizer steps" in end.reason

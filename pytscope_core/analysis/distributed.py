@@ -31,6 +31,7 @@ STRAGGLER_MIN_EXCESS = 0.045
 STRAGGLER_MIN_PERSISTENCE = 0.70
 """Slower than the others' median in >= 70% of steps: healthy 2-rank runs alternate 33-65% (docs/MEASUREMENTS.md, item 3)."""
 STRAGGLER_LARGE_EXCESS = 3 * STRAGGLER_MIN_EXCESS
+"""From this median excess on, STRAGGLER_LARGE_PERSISTENCE replaces STRAGGLER_MIN_PERSISTENCE."""
 STRAGGLER_LARGE_PERSISTENCE = 0.60
 """A median excess 3x the floor (13.5%) needs less consistency, >= 60% of steps: 4 ranks on 2 cores made a rank
 +18% and +28% slower by median the slower one in only 66% and 70% of its steps. Healthy ranks' medians differ
@@ -329,11 +330,12 @@ def _divergence(arrays: RunArrays, counter: str) -> CountDivergence | None:
     """First step where some rank's per-step `counter` differs from the majority's.
 
     Before that step every rank's cumulative count is equal, so the first per-step difference is exactly
-    where a rank's cumulative count falls behind or runs ahead.
+    where a rank's cumulative count falls behind or runs ahead. (A run from before the optimizer_steps
+    column has NaN there on every rank: no record, no divergence.)
     """
     g = getattr(arrays, counter)
     if g.shape[1] < 2 or g.shape[0] == 0:
-        return None  # (a run from before the optimizer_steps column has NaN there: no divergence)
+        return None
     with np.errstate(invalid="ignore"):
         differs = np.isfinite(g) & np.isfinite(g[:, :1]) & (g != g[:, :1])
         present = np.isfinite(g)
@@ -348,12 +350,13 @@ def _divergence(arrays: RunArrays, counter: str) -> CountDivergence | None:
         return None
     i = int(bad_steps[0])
     row = np.asarray(g[i], dtype=np.float64)
-    finite = row[np.isfinite(row)]
-    values, counts = np.unique(finite, return_counts=True)
-    if values.size > 1 and np.count_nonzero(counts == counts.max()) > 1:
-        # No majority at that step (2 ranks): the count the steps usually have is the expected one.
-        values, counts = np.unique(g[np.isfinite(g)], return_counts=True)
-    majority = float(values[counts.argmax()]) if values.size else math.nan
+    values, counts = np.unique(row[np.isfinite(row)], return_counts=True)
+    tied = values[counts == counts.max()] if values.size else values
+    if tied.size > 1:  # no majority at that step (2 ranks): the tied count most common over the run
+        tied_counts = [np.count_nonzero(g == v) for v in tied]
+        majority = float(tied[int(np.argmax(tied_counts))])
+    else:
+        majority = float(tied[0]) if tied.size else math.nan
     off = np.flatnonzero(~np.isfinite(row) | (row != majority))
     return CountDivergence(
         counter=counter,

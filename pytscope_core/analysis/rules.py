@@ -108,8 +108,9 @@ def _cost_severity(share: float) -> Severity:
 
 @rule("DIST.STRAGGLER")
 def straggler(a: RunAnalysis) -> list[Finding]:
-    """One rank persistently has the most local work. Floors: excess >= 4.5%, slower in >= 70% of steps
-    (binomial z >= 3), and its extra work over the next-slowest rank >= 2% of wall (distributed.py)."""
+    """One rank persistently has the most local work. Floors: excess >= 4.5%, slower in >= 70% of steps (60%
+    from an excess of 13.5%; binomial z >= 3), and its extra work over the next-slowest rank >= 2% of wall
+    (distributed.py)."""
     d = a.distributed
     if len(d.stragglers) != 1:
         return []
@@ -357,23 +358,33 @@ def desync(a: RunAnalysis) -> list[Finding]:
             break  # the first divergence is what matters; later ones follow from it
     div = a.distributed.count_divergence
     if div is not None:
-        out.append(_divergence_finding(div))
+        out.append(_divergence_finding(div, others=len(a.distributed.per_rank) - len(div.ranks)))
     return out
 
 
-def _divergence_finding(div: CountDivergence) -> Finding:
+def _divergence_finding(div: CountDivergence, others: int) -> Finding:
     listed = ", ".join(f"rank {r}: {c:g}" for r, c in zip(div.ranks, div.counts, strict=False))
     what, cause = _COUNTERS[div.counter]
-    more = [c for c in div.counts if c > div.majority]  # (NaN: no record, neither more nor fewer)
-    hint = cause[0] if more and len(more) == len(div.counts) else cause[1] if not more else ""
+    counts = np.asarray(div.counts)
+    missing = not np.isfinite(counts).all()
+    # What more or fewer means, where every listed count is more, or every one fewer (none missing).
+    hint = (
+        ""
+        if missing
+        else cause[0]
+        if (counts > div.majority).all()
+        else cause[1]
+        if (counts < div.majority).all()
+        else ""
+    )
     return Finding(
         code="DIST.DESYNC",
         severity=Severity.HIGH,
         title=f"{what.capitalize()} diverge at step {div.step}",
         detail=(
             f"In step {div.step} the ranks made different numbers of {what}: {listed}, against {div.majority:g} "
-            f"on the other ranks (NaN = no record). From here their cumulative counts differ"
-            f"{f': {hint}' if hint else ''}."
+            f"on the other rank{'s' if others != 1 else ''}{' (NaN = no record)' if missing else ''}. From here "
+            f"their cumulative counts differ{f': {hint}' if hint else ''}."
         ),
         recommendation=_DESYNC_ADVICE,
         ranks=div.ranks,
@@ -394,8 +405,10 @@ _COUNTERS = {  # counter: (its name in a sentence, (its cause when more than the
     "optimizer_steps": (
         "optimizer steps",
         (
-            "an optimizer step the other ranks did not take (their parameters now differ: DIST.REPLICA_DRIFT)",
-            "an optimizer step these ranks did not take (their parameters now differ: DIST.REPLICA_DRIFT)",
+            "an optimizer step the other ranks did not take (the replicas' parameters may now differ: "
+            "DIST.REPLICA_DRIFT, where replicas are compared)",
+            "an optimizer step these ranks did not take (the replicas' parameters may now differ: "
+            "DIST.REPLICA_DRIFT, where replicas are compared)",
         ),
     ),
 }
@@ -441,7 +454,9 @@ def replica_drift(a: RunAnalysis) -> list[Finding]:
     if 2 * first_ranks.size >= np.count_nonzero(np.isfinite(sums[first])):  # (2 ranks: no majority)
         which, who = "the ranks' parameter checksums differ", " No majority singles a rank out"
         div = a.distributed.count_divergence
-        if div is not None:  # the rank whose counts departed first is the likely one
+        if div is not None and div.step <= int(
+            steps[first]
+        ):  # the rank whose counts departed first is likely
             named = f"rank{'s' if len(div.ranks) > 1 else ''} {format_ranks(div.ranks)}"
             who += f"; DIST.DESYNC names {named} at step {div.step}, before it"
             ranks = div.ranks
