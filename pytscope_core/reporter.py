@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from .findings import Finding
+from .findings import Finding, Severity
 from .parallelism import comm_note
 from .rundir import RunWriter
 
@@ -63,7 +63,10 @@ class RunReporter:
         if self.console is not None:
             from .render import render_findings
 
-            self.console.print("[bold red]pytscope: hang detected[/]")
+            hang = finding.severity is Severity.HIGH  # (MED: no rank progresses, and no hang is proven)
+            self.console.print(
+                "[bold red]pytscope: hang detected[/]" if hang else "[bold]pytscope: no progress[/]"
+            )
             self.console.print(render_findings([finding]))
 
     def messages(self, errors: list[str], notes: list[str]) -> None:

@@ -137,11 +137,27 @@ def classify_hang(
             [],
             max(_label(b) for b in beats.values()),
         )
+    elif len({(_label(b), b["phase"]) for b in beats.values()}) == 1 and len(beats) == world_size:
+        return _no_progress(beats, world_size, timeout_s, idle)  # one place: slow work, or an unseen wait
     else:
-        detail = "No rank has progressed: " + _whereabouts(list(range(world_size)), beats, place) + "."
+        behind = _behind(beats, world_size)
+        everyone = list(range(world_size))
+        detail = "No rank has progressed: " + _whereabouts(
+            behind + [r for r in everyone if r not in behind], beats, place
+        )
+        detail += (
+            f". Rank{'s' if len(behind) > 1 else ''} {format_ranks(behind)} {'are' if len(behind) > 1 else 'is'} "
+            "furthest behind: the others most likely wait for it in a collective pytscope does not time "
+            "(a buffer broadcast, a metric all-reduce, a barrier)"
+            if behind
+            else ""
+        ) + "."
         title, ranks, step = (
-            "no rank is making progress",
-            list(range(world_size)),
+            f"rank{'s' if len(behind) > 1 else ''} {format_ranks(behind)}{_on_hosts(behind, place)} "
+            "stopped behind the others"
+            if behind
+            else "no rank is making progress",
+            behind or everyone,
             max((_label(b) for b in beats.values()), default=1),
         )
     limit = (
@@ -161,6 +177,57 @@ def classify_hang(
         ranks=tuple(ranks),
         steps=(step,),
         evidence={f"idle_s_rank{r}": idle[r] for r in range(min(world_size, 16)) if idle[r] != float("inf")},
+    )
+
+
+_PHASE_ORDER = (
+    "data",
+    "between data and forward",
+    "forward",
+    "between forward and backward",
+    "backward",
+    "comm",
+    "between backward and optimizer",
+    "optimizer",
+    "after the optimizer step",
+)
+
+
+def _behind(beats: dict[int, dict[str, Any]], world_size: int) -> list[int]:
+    """The ranks furthest behind in the step (by step, then by phase in a step's order), where every rank
+    beats and every phase has a place in that order; else none (positions that cannot be compared)."""
+    if len(beats) != world_size or any(b["phase"] not in _PHASE_ORDER for b in beats.values()):
+        return []
+    where = {r: (_label(b), _PHASE_ORDER.index(b["phase"])) for r, b in beats.items()}
+    last = min(where.values())
+    return sorted(r for r, w in where.items() if w == last)
+
+
+def _no_progress(
+    beats: dict[int, dict[str, Any]], world_size: int, timeout_s: float, idle: dict[int, float]
+) -> Finding:
+    """Every rank at one place, none in a collective pytscope times: all busy there (an evaluation or a
+    checkpoint outside `paused()`, slow work) or all in a collective pytscope does not see that some rank
+    never reached. Which, only the stacks tell: MED, and the watchdog does not end the job for it."""
+    beat = next(iter(beats.values()))
+    step, phase = _label(beat), beat["phase"]
+    return Finding(
+        code="DIST.HANG",
+        severity=Severity.MED,
+        title=f"no rank has progressed for {min(idle.values()):.0f} s",
+        detail=(
+            f"Every rank{'' if world_size > 1 else ' (the only one)'} has been at step {step} in `{phase}` for "
+            f"{min(idle.values()):.0f} s: all busy there, or all waiting in a collective pytscope does not time "
+            f"that some rank never reached. pytscope does not end the job for this (hang_timeout "
+            f"{timeout_s:.0f} s; stacks of every rank are in stacks/)."
+        ),
+        recommendation=(
+            "Read the stacks in stacks/: a rank whose stack is not inside a collective is the one the others "
+            "wait for. If every rank is busy (evaluation or checkpointing in the loop), wrap that in "
+            "`scope.paused()` or raise hang_timeout."
+        ),
+        steps=(step,),
+        evidence={f"idle_s_rank{r}": idle[r] for r in range(min(world_size, 16))},
     )
 
 
@@ -287,6 +354,9 @@ class Watchdog(threading.Thread):
         self._local_beat: dict[str, Any] = {}
         self._step_seen = (recorder.steps_done, _monotonic())
         self.slowest_step_s = 0.0  # longest gap between two step closes seen by this thread
+        self._reported = False  # rank 0: a hang is reported and no rank has progressed since
+        self._hangs = 0  # rank 0: hangs reported (the flag's count)
+        self._flag_seen = ""  # other ranks: the last flag acted on
 
     def stop(self, wait_s: float = STOP_WAIT_S) -> None:
         """Stop and wait for the thread, so it is never inside a store call when the process exits: a daemon
@@ -326,23 +396,33 @@ class Watchdog(threading.Thread):
         while not self.stopped.wait(self.period()):
             try:
                 self._beat()
-                if self._hang_flag():
-                    break
+                abort = self._hang_flag()  # None: no new hang raised by rank 0
                 if self.rank == 0:
                     if self._peer_disabled():  # its beats stop: judging it would call a hang
                         return
-                    finding = self._check()
-                    if finding is not None:
-                        self._raise_flag()
-                        self._attempt("report the hang", self.report, finding)
-                        break
+                    abort = self._judge()
             except STORE_ERRORS as exc:  # the store went away (job ending): stop quietly, never hurt training
                 if not self.stopped.is_set():
                     _say(self.rank, f"watchdog stopped: {type(exc).__name__}: {exc}")
                 return
-        else:
-            return
-        self._on_hang()
+            if abort is not None:
+                self._on_hang(abort)  # (returns only when the job goes on: watching goes on too)
+
+    def _judge(self) -> bool | None:
+        """Rank 0: report a hang once (until some rank progresses again) and tell every rank whether to end
+        the job: only with on_hang="abort", and only for a hang proven by positions (HIGH), never for every
+        rank idle at one place (MED: slow work looks the same). None: nothing new."""
+        finding = self._check()
+        if finding is None:
+            self._reported = False  # progress: the next hang is reported again
+            return None
+        if self._reported:
+            return None
+        self._reported = True
+        abort = self.on_hang == "abort" and finding.severity is Severity.HIGH
+        self._raise_flag(abort)
+        self._attempt("report the hang", self.report, finding)
+        return abort
 
     def _attempt(self, what: str, fn: Callable[..., Any], *args: Any) -> None:
         try:
@@ -398,14 +478,24 @@ class Watchdog(threading.Thread):
             self.store is not None and self.disabled_key is not None and self.store.check([self.disabled_key])
         )
 
-    def _hang_flag(self) -> bool:
-        return self.store is not None and self.rank != 0 and bool(self.store.check([f"{self.prefix}/hang"]))
+    def _hang_flag(self) -> bool | None:
+        """Other ranks: whether to end the job, when rank 0 raised a hang flag this rank has not acted on."""
+        key = f"{self.prefix}/hang"
+        if self.store is None or self.rank == 0 or not self.store.check([key]):
+            return None
+        flag = self.store.get(key).decode()  # "<count>:abort" or "<count>:report"
+        if flag == self._flag_seen:
+            return None
+        self._flag_seen = flag
+        return flag.endswith(":abort")
 
-    def _raise_flag(self) -> None:
+    def _raise_flag(self, abort: bool) -> None:
+        self._hangs += 1
         if self.store is not None:
-            self._attempt("raise the hang flag", self.store.set, f"{self.prefix}/hang", "1")
+            flag = f"{self._hangs}:{'abort' if abort else 'report'}"
+            self._attempt("raise the hang flag", self.store.set, f"{self.prefix}/hang", flag)
 
-    def _on_hang(self) -> None:
+    def _on_hang(self, abort: bool) -> None:
         if self.flush is not None:
             self._attempt("write this rank's steps", self.flush, "hang")
         self._attempt("dump the stacks", dump_stacks, self.run_dir, self.rank)
@@ -413,7 +503,7 @@ class Watchdog(threading.Thread):
             self._attempt(
                 "tell rank 0 the stacks are dumped", self.store.set, f"{self.prefix}/dumped/{self.rank}", "1"
             )
-        if self.on_hang != "abort":
+        if not abort:
             return
         if self.rank == 0 and self.store is not None:
             self._attempt("wait for the other ranks' stacks", self._wait_for_dumps)

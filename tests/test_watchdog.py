@@ -139,6 +139,16 @@ def _watch(tmp_path, monkeypatch, rec, peer, timeout_s, warmup_timeout_s=None) -
     return reported, dog
 
 
+def _first_report(reported: list, dog: Watchdog, wait_s: float = 30.0) -> list:
+    """What the watchdog reported once it reported and dumped its stacks (it goes on watching without
+    on_hang="abort"); the watchdog is stopped."""
+    deadline = time.monotonic() + wait_s
+    while not (reported and (dog.run_dir / "stacks" / "rank0.txt").exists()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    dog.stop()
+    return reported
+
+
 def _watch_warmup(tmp_path, monkeypatch, last_mark: Mark) -> tuple[list, Watchdog]:
     """Rank 0 in warm-up (no timeout in force) with `last_mark` as its last mark, rank 1 in its first
     forward, watched with a warm-up rule of 0.05 s."""
@@ -151,8 +161,7 @@ def _watch_warmup(tmp_path, monkeypatch, last_mark: Mark) -> tuple[list, Watchdo
 
 def test_the_warm_up_rule_applies_while_no_timeout_is_in_force(tmp_path, monkeypatch):
     reported, dog = _watch_warmup(tmp_path, monkeypatch, Mark.GRAPH_DONE)  # waiting in the all-reduce
-    dog.join(30.0)
-    (finding,) = reported
+    (finding,) = _first_report(reported, dog)
     assert finding.code == "DIST.HANG" and finding.ranks == (1,) and "during warm-up" in finding.detail
     assert (tmp_path / "stacks" / "rank0.txt").exists()
 
@@ -180,8 +189,41 @@ def test_a_rank_after_its_optimizer_step_is_named_at_the_step_it_just_took(tmp_p
     rec.optimizer_stepped()
     peer = {"step": 1, "phase": "comm", "idle_s": 100.0, "syncs": 1}
     reported, dog = _watch(tmp_path, monkeypatch, rec, peer, 0.05)
-    dog.join(30.0)
-    (finding,) = reported
+    (finding,) = _first_report(reported, dog)
     assert finding.ranks == (0,) and finding.steps == (2,)
     assert "At step 2, rank 1 has been waiting" in finding.detail
     assert "is at step 1 in `after the optimizer step`" in finding.detail
+
+
+def test_every_rank_idle_at_one_place_is_said_but_never_ends_the_job(tmp_path, monkeypatch):
+    # All ranks busy at one place (an evaluation outside paused(), a slow step) look the same as all waiting
+    # in a collective pytscope does not see: MED, no abort, and reported again after progress resumes.
+    f = classify_hang({0: _beat("forward", 25), 1: _beat("forward", 25)}, 2, 6.0)
+    assert f is not None and f.severity.name == "MED" and f.ranks == () and "does not end the job" in f.detail
+    exits: list = []
+    monkeypatch.setattr(watchdog.os, "_exit", exits.append)
+    rec = StepRecorder()
+    rec.loop_top(Mark.FORWARD_BEGIN)
+    monkeypatch.setattr(watchdog, "BEAT_S", 0.01)
+    reported: list = []
+    store = DictStore(**{"pytscope/hb/1": json.dumps({**_beat("forward", 0), "t": time.time()})})
+    dog = Watchdog(rec, store, 0, 2, tmp_path, lambda: 0.05, "abort", reported.append)
+    dog.start()
+    deadline = time.monotonic() + 30.0
+    while not reported and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.2)  # still idle: not reported twice
+    assert len(reported) == 1 and dog.is_alive() and store.keys["pytscope/hang"] == "1:report"
+    rec.mark(Mark.FORWARD_BEGIN)  # progress (still in forward, as rank 1), then idle again: a new report
+    while len(reported) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    dog.stop()
+    assert len(reported) == 2 and exits == [] and store.keys["pytscope/hang"] == "2:report"
+
+
+def test_a_rank_behind_the_others_is_named_when_they_wait_where_pytscope_cannot_see():
+    # BatchNorm's buffer broadcast in forward: rank 0 waits inside step 25's forward, rank 1 never left its
+    # data loader. Neither is in a collective pytscope times, but rank 1 is behind: a hang, and its rank.
+    f = classify_hang({0: _beat("forward", 24), 1: _beat("data", 24)}, 2, 6.0)
+    assert f is not None and f.severity.name == "HIGH" and f.ranks == (1,)
+    assert f.title == "rank 1 stopped behind the others" and "furthest behind" in f.detail

@@ -484,8 +484,28 @@ def replica_drift(a: RunAnalysis) -> list[Finding]:
 
 @rule("DIST.HANG")
 def hang(a: RunAnalysis) -> list[Finding]:
-    """Re-emits the watchdog's reports: the watchdog has already applied hang_timeout."""
-    return [Finding.from_dict(report) for report in a.ctx.hang_reports]
+    """Re-emits the watchdog's reports (it has already applied hang_timeout). One that every rank went on
+    past (on_hang="report", or a wait that no hang was proven for) was a stall that long, not a hang: MED at
+    most, and it says so."""
+    out = []
+    for report in a.ctx.hang_reports:
+        f = Finding.from_dict(report)
+        step = f.steps[0] if f.steps else None
+        ended = [e.last_step for e in a.rank_ends if e.last_step is not None]
+        if (
+            step is not None
+            and a.last_step is not None
+            and a.last_step > step
+            and min(ended, default=a.last_step) > step
+        ):
+            f = dataclasses.replace(
+                f,
+                severity=min(f.severity, Severity.MED),
+                detail=f"{f.detail} The run went on: every rank recorded steps after it (to step {a.last_step}), "
+                "so this was a stall of about that length, not a hang (TIMING.STALL sizes it).",
+            )
+        out.append(f)
+    return out
 
 
 # --- data --------------------------------------------------------------------------------------------------
