@@ -62,6 +62,7 @@ class RunContext:
     hang_reports: tuple[dict, ...] = ()  # DIST.HANG reports written by the watchdog (plain JSON)
     scope_errors: tuple[str, ...] = ()  # what went wrong in the scope (those with SCOPE_DISABLED: it stopped)
     scope_notes: tuple[str, ...] = ()  # what rank 0's scope could not measure (e.g. a loader never iterated)
+    records_lost: bool = False  # the reader dropped torn or corrupt rows: a missing step may be one of them
     rank_notes: tuple[tuple[int, str], ...] = ()  # (rank, why it wrote its own rows: "hang", "SIGTERM" ...)
     placement: Placement = field(default_factory=Placement)  # each rank's host and local rank (meta "hosts")
     # (step, ranks) of the run's first NaN/Inf loss when it may lie before the steps analysed (the live

@@ -47,6 +47,7 @@ class Coordinator:
         self.gathers = 0
         self.met_at_finish = False  # the final gather had every rank: a last barrier cannot wait for the dead
         self._next_gather = interval
+        self.scheduled = False  # the first step boundary (or the first after a resume) has decided the key
 
     # -- start ----------------------------------------------------------------------------------------
     def start(self, run_dir: Path | None, segment: int = 0) -> tuple[Path, int]:
@@ -79,6 +80,7 @@ class Coordinator:
         """At the first step boundary: meet on gradient syncs where DDP syncs (a safe place to meet even
         for a rank that took one optimizer step more or less), else on optimizer steps."""
         self.recorder.notify_on_syncs = syncs_seen and self.recorder.grad_syncs > 0
+        self.scheduled = True
         self._advance()
 
     def due(self) -> bool:
@@ -91,6 +93,7 @@ class Coordinator:
     def restart_schedule(self) -> None:
         """After a resume: the next step boundary decides again."""
         self.recorder.notify_at = 0
+        self.scheduled = False
 
     def _key(self) -> int:
         rec = self.recorder

@@ -70,6 +70,7 @@ class StepRecorder:
         self._memory = memory
         self._host_ns = host_ns or HostClock.now
         self.step_origin = step_origin  # the number the framework gives its first step (Lightning: 0)
+        self.on_first_step: Callable[[], None] | None = None  # once, as the first step opens (the run starts)
         self.on_step_closed: Callable[[], None] | None = None  # the scope's gather check...
         self.notify_at = 0  # ...called once the gather key (below) reaches this
         self.notify_on_syncs = False  # key: gradient syncs (DDP) or optimizer steps
@@ -110,6 +111,9 @@ class StepRecorder:
         elif self.in_step:
             self.mark(mark)
             return
+        if self.on_first_step is not None:  # before the step's first stamp: its time is not the step's
+            start, self.on_first_step = self.on_first_step, None
+            start()
         if self._stopped:
             return
         now = self._now()

@@ -71,6 +71,7 @@ class RunWriter:
                 meta_path,
                 json.dumps(_jsonable({"format": FORMAT, "columns": list(COLUMNS), **meta}), indent=1),
             )
+        self.columns = run_columns(self.path)  # a run resumed by a later version keeps its layout
         self._steps = open(self.path / "steps.f64", "ab")
         self._events = open(self.path / "events.jsonl", "a")
         self._scalars = open(self.path / "scalars.jsonl", "a")
@@ -80,7 +81,7 @@ class RunWriter:
     def _trim_torn_row(self) -> None:
         # A SIGKILL in the middle of a write leaves a partial row; appending after it would shift every row.
         size = self._steps.tell()
-        torn = size % (NCOLS * 8)
+        torn = size % (len(self.columns) * 8)
         if torn:
             self._steps.truncate(size - torn)
             self._steps.seek(size - torn)
@@ -89,7 +90,7 @@ class RunWriter:
         if rows.size:
             with self._lock:
                 # A view, not a copy: one interval of 16,384 ranks is 112 MB.
-                self._steps.write(np.ascontiguousarray(rows, dtype="<f8").data)
+                self._steps.write(np.ascontiguousarray(in_layout(rows, self.columns), dtype="<f8").data)
                 self._steps.flush()
 
     def event(self, kind: str, **fields: Any) -> None:
@@ -121,11 +122,33 @@ def append_rank_rows(
     folder.mkdir(parents=True, exist_ok=True)
     if rows.size:
         with open(folder / f"rank{rank}.f64", "ab") as f:
-            f.write(np.ascontiguousarray(rows, dtype="<f8").tobytes())
+            f.write(np.ascontiguousarray(in_layout(rows, run_columns(path)), dtype="<f8").tobytes())
     last = rows[:, COLUMNS.index("step")].max() if rows.size else at_step
     line = {"rank": rank, "reason": reason, "rows": int(rows.shape[0]), "last_step": last}
     with open(folder / f"rank{rank}.jsonl", "a") as f:
         f.write(json.dumps(_jsonable(line)) + "\n")
+
+
+def run_columns(path: Path) -> list[str]:
+    """The column layout of the run's rows (`meta.json`): this version's, unless the run began under one
+    whose rows had other columns (rows are always written, and read, in the run's own layout)."""
+    try:
+        columns = json.loads((path / "meta.json").read_text()).get("columns")
+    except (OSError, ValueError, AttributeError):
+        return list(COLUMNS)
+    ok = isinstance(columns, list) and columns and all(isinstance(c, str) for c in columns)
+    return list(columns) if ok else list(COLUMNS)
+
+
+def in_layout(rows: np.ndarray, columns: list[str]) -> np.ndarray:
+    """`rows` (this version's columns) in the layout `columns`: a column this version lacks is NaN."""
+    if columns == list(COLUMNS):
+        return rows
+    out = np.full((rows.shape[0], len(columns)), np.nan)
+    for i, name in enumerate(columns):
+        if name in COL:
+            out[:, i] = rows[:, COL[name]]
+    return out
 
 
 def read_rank_files(
@@ -257,6 +280,9 @@ def load_run(path: str | os.PathLike[str], warmup: int | None = None) -> Run:
     rows, corrupt = sound_rows(rows)
     if corrupt:
         problems.append(f"{corrupt} corrupt row(s) of step records dropped")
+    torn = _torn(root / "steps.f64", len(columns or COLUMNS))
+    if torn:
+        problems.append("a torn last row of step records dropped (the process was killed while writing it)")
     no_events: tuple[list[dict[str, Any]], int] = ([], 0)
     events, bad_lines = _read_or_note(lambda: read_events(root), "events.jsonl", problems, no_events)
     for e in events:  # settings learnt during the run (e.g. measured FLOPs) arrive as "meta" events
@@ -272,6 +298,8 @@ def load_run(path: str | os.PathLike[str], warmup: int | None = None) -> Run:
     context = _context(meta, events, arrays, w, problems)
     if rank_reasons:
         context = dataclasses.replace(context, rank_notes=tuple(sorted(rank_reasons.items())))
+    if corrupt or torn:
+        context = dataclasses.replace(context, records_lost=True)
     live: list[Finding] = []
     extra: list[Finding] = []
     for e in events:
@@ -285,6 +313,14 @@ def load_run(path: str | os.PathLike[str], warmup: int | None = None) -> Run:
     # An integration re-checks at every launch (e.g. uneven shards): keep each finding's latest word once.
     extra = list({f.key: f for f in extra}.values())
     return Run(root, meta, arrays, context, live, extra, problems)
+
+
+def _torn(f: Path, width: int) -> bool:
+    """Whether the file ends in part of a row (a kill while writing it: `read_rows` leaves it out)."""
+    try:
+        return f.is_file() and f.stat().st_size % (width * 8) != 0
+    except OSError:
+        return False
 
 
 def _with_earlier_places(meta: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:

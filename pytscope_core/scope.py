@@ -65,6 +65,7 @@ class Scope:
         self.flops = StepFlops(options.flops_per_step, options.warmup, precision)
         self.recorder = StepRecorder(clock=clock, step_origin=step_origin)
         self.recorder.on_step_closed = self._after_step
+        self.recorder.on_first_step = self.start  # (so the watchdog watches step 1: a hang in it is common)
         self.hooks = TorchHooks(self.recorder, self.fail, self.note)
         self.coordinator = Coordinator(self.recorder, options.interval, options.gather_timeout)
         self.session: RunSession | None = None  # from start() to the end
@@ -247,7 +248,7 @@ class Scope:
     # -- start, per step, end -------------------------------------------------------------------------
     def start(self) -> None:
         """Set up the run (collective when distributed): call at a point every rank reaches, or let the
-        first step boundary do it."""
+        first step's loop top do it (every rank reaches it, even one that then blocks in its first batch)."""
         if self._started or not self.enabled:
             return
         self._started = True
@@ -264,7 +265,7 @@ class Scope:
         if not self.enabled:
             return
         try:
-            if not self._started:
+            if not self.coordinator.scheduled:  # the first step boundary (the run started at its loop top)
                 self.start()
                 self.coordinator.schedule(syncs_seen=self.hooks.is_ddp or self.hooks.sharded is not None)
             elif self.coordinator.due() and self.session is not None:

@@ -83,6 +83,8 @@ def _main(rank: int, world: int, port: int, o: dict[str, Any]) -> None:
             loss.backward()
         else:
             loss = F.cross_entropy(ddp(x), y)
+            if slow and step == o.get("block_before_backward"):  # the step has opened: past its loop top
+                spin(3600e3)
             loss.backward()
         opt.step()
         opt.zero_grad()

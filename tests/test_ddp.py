@@ -90,6 +90,16 @@ def test_blocked_rank_is_reported_as_hang_and_the_job_ends_fast(tmp_path):
     assert "spin" in (tmp_path / "stacks" / "rank1.txt").read_text()  # where the missing rank is stuck
 
 
+def test_a_hang_in_the_first_step_is_found(tmp_path):
+    # The run starts at the first step's loop top, so its watchdog is there before the first all-reduce
+    # (it used to start when the first step closed, which a hang in that step never does).
+    with pytest.raises(mp.ProcessExitedException) as info:
+        ddp_worker.run(2, dict(run_dir=str(tmp_path), steps=20, block_before_backward=1, hang_timeout=5.0))
+    assert info.value.exit_code == HANG_EXIT_CODE
+    (hang,) = [f for f in report(tmp_path)["findings"] if f["code"] == "DIST.HANG"]
+    assert hang["ranks"] == [1] and hang["title"].endswith("never reached the 1st gradient all-reduce")
+
+
 def test_a_rank_that_hangs_after_the_last_step_before_a_gather_loses_no_records(tmp_path):
     # Rank 1 stops after step 20's optimizer step; rank 0 goes on into the gather due after step 20 and
     # blocks there. The rows it had handed to that gather are still written, and the hang says where it is.

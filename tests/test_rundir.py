@@ -7,7 +7,7 @@ import pytest
 
 from pytscope_core.analysis import diagnose
 from pytscope_core.cli import main
-from pytscope_core.records import COL, NCOLS
+from pytscope_core.records import COL, COLUMNS, NCOLS
 from pytscope_core.rundir import RunWriter, append_rank_rows, load_run
 
 
@@ -272,3 +272,32 @@ def test_a_job_resumed_on_other_ranks_is_not_unstable_for_having_two_step_times(
     run = load_run(write_launches(tmp_path / "r", [(2, 140, 10.0), (1, 60, 30.0)]))
     found = diagnose(run.arrays, run.context)
     assert not [f for f in found if f.code in ("TIMING.JITTER", "TIMING.STALL")], found
+
+
+def test_a_run_begun_with_fewer_columns_is_resumed_in_its_own_layout(tmp_path):
+    # A run written before the optimizer_steps column, resumed by this version: its rows keep the run's
+    # 18 columns (written wider, every row after the resume was shifted and read as corrupt).
+    old = [c for c in COLUMNS if c != "optimizer_steps"]
+    (tmp_path / "meta.json").write_text(
+        json.dumps({"format": "pytscope-run/1", "columns": old, "world_size": 2})
+    )
+    (tmp_path / "steps.f64").write_bytes(rows_for(steps=30)[:, [COL[c] for c in old]].astype("<f8").tobytes())
+    w = RunWriter(tmp_path, {"world_size": 2})
+    w.event("segment", index=1, started_s=1100.0, resumed_from_step=30, world_size=2)
+    w.append_rows(rows_for(steps=20, first=31, segment=1))
+    w.close()
+    append_rank_rows(tmp_path, 1, rows_for(steps=1, first=51, segment=1)[1:], "SIGTERM")
+    run = load_run(tmp_path)
+    assert run.problems == [] and run.arrays.steps.tolist() == list(range(1, 52))
+    assert np.isnan(run.arrays.optimizer_steps).all()  # (a column the run never had)
+
+
+def test_a_torn_last_row_is_said_and_its_missing_step_is_no_desync(tmp_path):
+    # Killed while rank 0 wrote the last row (rank 1's step 60): that record is lost, nothing diverged.
+    write_run(tmp_path)
+    f = tmp_path / "steps.f64"
+    f.write_bytes(f.read_bytes()[:-5])
+    append_rank_rows(tmp_path, 1, rows_for(steps=1, first=61)[1:], "SIGTERM")  # rank 1 went on, to step 61
+    run = load_run(tmp_path)
+    assert any("torn last row" in p for p in run.problems) and run.context.records_lost
+    assert "DIST.DESYNC" not in {x.code for x in diagnose(run.arrays, run.context)}

@@ -183,27 +183,29 @@ def test_a_disabled_scope_never_calls_the_training_hung(tmp_path):
     assert "trained" in proc.stdout and "scope disabled, training continues" in proc.stderr
 
 
-def test_stuck_single_process_loop_is_reported_with_its_stack(tmp_path):
+def test_stuck_single_process_loop_is_reported_with_its_stack_but_never_ended(tmp_path):
+    # One process idle for hang_timeout: no peer waits for it, so no hang can be proven (a long evaluation in
+    # the loop looks the same). Said, with its stack, as MED; the process goes on and ends on its own.
     script = textwrap.dedent(f"""
         import time, torch
         from pytscope_core import Scope
         model = torch.nn.Linear(4, 1); opt = torch.optim.SGD(model.parameters(), lr=0.1)
         scope = Scope({str(tmp_path)!r}, console=False, hang_timeout=2.0)
         scope.watch(model, opt)
-        for step in range(1, 100):
+        for step in range(1, 20):
             if step == 8:
-                while True:
+                t = time.monotonic()
+                while time.monotonic() - t < 6.0:
                     pass  # stuck
             model(torch.randn(2, 4)).sum().backward(); opt.step(); opt.zero_grad()
+        scope.finish()
     """)
     proc = run_job(tmp_path, script)
-    assert proc.returncode == HANG_EXIT_CODE, proc.stderr
-    hang = [
-        f
-        for f in summarize(load_run(tmp_path).arrays, load_run(tmp_path).context).findings
-        if f.code == "DIST.HANG"
-    ]
-    assert hang and hang[0].ranks == (0,)
+    assert proc.returncode == 0, proc.stderr
+    run = load_run(tmp_path)
+    (hang,) = [f for f in summarize(run.arrays, run.context).findings if f.code == "DIST.HANG"]
+    assert hang.severity.name == "MED" and hang.title.startswith("no rank has progressed")
+    assert "The run went on" in hang.detail
     assert "stuck" in (tmp_path / "stacks" / "rank0.txt").read_text()
 
 

@@ -112,7 +112,7 @@ class DistributedTiming:
     lost_ms_per_step: float  # the same, in ms per counted step
     next_slowest_local_ms: float  # median local work of the slowest rank outside the candidates
     steps_counted: int
-    count_divergence: CountDivergence | None
+    count_divergence: CountDivergence | None = None
     split_is_estimate: bool = True
     comm_measured: bool = True  # False: local work, the straggler gates and the transfer split are off
     note: str | None = None  # why, when they are off
@@ -125,11 +125,18 @@ class DistributedTiming:
 
 
 def distributed_timing(
-    arrays: RunArrays, sel: np.ndarray, comm_measured: bool = True, parallelism: str | None = None
+    arrays: RunArrays,
+    sel: np.ndarray,
+    comm_measured: bool = True,
+    parallelism: str | None = None,
+    records_lost: bool = False,
 ) -> DistributedTiming:
     """Per-rank local work and the straggler gates over the steps in `sel` (S,) bool; with communication not
-    measured under `parallelism`, only the data waits and the sync-count check."""
-    timing = _distributed_timing(arrays, sel)
+    measured under `parallelism`, only the data waits and the sync-count check (over every step; a step
+    missing on one rank counts as diverged unless the reader dropped `records_lost`: it may be one of them)."""
+    timing = replace(
+        _distributed_timing(arrays, sel), count_divergence=count_divergence(arrays, not records_lost)
+    )
     return timing if comm_measured else _without_comm(timing, parallelism)
 
 
@@ -229,7 +236,6 @@ def _distributed_timing(arrays: RunArrays, sel: np.ndarray) -> DistributedTiming
         lost_ms_per_step=lost_ms if is_straggler.any() else 0.0,
         next_slowest_local_ms=next_local,
         steps_counted=n,
-        count_divergence=count_divergence(arrays),
         intermittent=intermittent,
     )
 
@@ -318,20 +324,25 @@ def _straggler_cost(local: np.ndarray, slow: np.ndarray) -> tuple[float, float]:
     return float(lost.mean(dtype=np.float64)), float(np.median(slowest_good))
 
 
-def count_divergence(arrays: RunArrays) -> CountDivergence | None:
+def count_divergence(arrays: RunArrays, gaps: bool = True) -> CountDivergence | None:
     """The first step where some rank's gradient syncs, or else its optimizer steps, differ from the
     majority's: a skipped or extra optimizer step, `no_sync()` on some ranks only. (An extra optimizer step
     changes no count of syncs or of steps: the loop top closes a step, so both calls fall in one.)"""
-    found = [d for d in (_divergence(arrays, "grad_syncs"), _divergence(arrays, "optimizer_steps")) if d]
+    found = [
+        d
+        for d in (_divergence(arrays, "grad_syncs", gaps), _divergence(arrays, "optimizer_steps", gaps))
+        if d
+    ]
     return min(found, key=lambda d: d.step) if found else None  # (syncs first at the same step)
 
 
-def _divergence(arrays: RunArrays, counter: str) -> CountDivergence | None:
+def _divergence(arrays: RunArrays, counter: str, gaps: bool = True) -> CountDivergence | None:
     """First step where some rank's per-step `counter` differs from the majority's.
 
     Before that step every rank's cumulative count is equal, so the first per-step difference is exactly
     where a rank's cumulative count falls behind or runs ahead. (A run from before the optimizer_steps
-    column has NaN there on every rank: no record, no divergence.)
+    column has NaN there on every rank: no record, no divergence.) With `gaps` False, a step some rank has no
+    record of is not a divergence (the reader dropped damaged rows).
     """
     g = getattr(arrays, counter)
     if g.shape[1] < 2 or g.shape[0] == 0:
@@ -342,7 +353,7 @@ def _divergence(arrays: RunArrays, counter: str) -> CountDivergence | None:
         # A rank missing a step another rank recorded also breaks the count (NaN vs a number), unless its
         # records in that step's segment ended before it (a hang or a kill before the gather) or it has none
         # there (a job resumed on fewer or more ranks): missing is not diverged.
-        partial = present.any(axis=1) & ~present.all(axis=1)
+        partial = present.any(axis=1) & ~present.all(axis=1) & gaps
         if partial.any():  # (a healthy run has no gap: nothing more to look at)
             partial &= ~(present | _excused(present, arrays.segment, partial)).all(axis=1)
     bad_steps = np.flatnonzero(differs.any(axis=1) | partial)
@@ -395,7 +406,6 @@ def _empty(arrays: RunArrays, ranks: list[int]) -> DistributedTiming:
         lost_ms_per_step=0.0,
         next_slowest_local_ms=nan,
         steps_counted=0,
-        count_divergence=count_divergence(arrays),
     )
 
 

@@ -51,7 +51,7 @@ def analyze(arrays: RunArrays, ctx: RunContext) -> RunAnalysis:
     sizes = {s.index: s.world_size for s in ctx.segments}
     launch_size = launch_sizes(arrays.segment, sizes) if len(set(sizes.values())) > 1 else None
     timing = step_timing(arrays, wall, phase_ms_per_step(arrays), launch_size)
-    dist = distributed_timing(arrays, sel, ctx.comm_measured, ctx.parallelism)
+    dist = distributed_timing(arrays, sel, ctx.comm_measured, ctx.parallelism, ctx.records_lost)
     dist = with_placement(dist, ctx.placement)  # hosts and local ranks, for the report's per-rank table
     return RunAnalysis(
         ctx=ctx,
