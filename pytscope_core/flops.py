@@ -164,9 +164,13 @@ class StepFlops:
     FLOPs per step, given by the user, by an integration, or counted once on a warm-up step. Facts learnt
     before the run directory exists wait in `learnt` until the session writes them."""
 
-    def __init__(self, flops_per_step: float | None, warmup: int, precision: str | None) -> None:
+    def __init__(
+        self, flops_per_step: float | None, warmup: int, precision: str | None, peak_given: bool = False
+    ) -> None:
         self.precision = precision  # None: decided from the model's parameters (and autocast)
         self.precision_given = precision is not None
+        self.peak_given = peak_given  # `peak_flops=` given: the table's peak is never used
+        self.device: str | None = None  # the run's device, once its meta (and table peak) is written
         self.warmup = warmup
         self.learnt: dict[str, Any] = {}
         self.estimate = FlopEstimate(self.counting_step(0), self._counted) if flops_per_step is None else None
@@ -204,8 +208,10 @@ class StepFlops:
     def note_forward(self) -> None:
         """Inside the first training forward, where the user's autocast is in force: fp32 parameters under
         bf16/fp16 autocast train at the bf16 rate."""
-        if not self.precision_given and autocast_active():
+        if not self.precision_given and autocast_active() and self.precision != "bf16":
             self.precision = "bf16"
+            if self.device is not None and not self.peak_given:  # the run began with another precision's peak
+                self.learnt.update(peak_precision="bf16", peak_flops=peak_flops_for(self.device, "bf16"))
 
     def take_learnt(self) -> dict[str, Any]:
         learnt, self.learnt = self.learnt, {}

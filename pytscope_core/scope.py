@@ -62,7 +62,9 @@ class Scope:
         self.options = options = ScopeOptions.resolve(options, run_dir, **option_values)
         self.run_dir: Path | None = options.run_path
         self.integration = integration
-        self.flops = StepFlops(options.flops_per_step, options.warmup, precision)
+        self.flops = StepFlops(
+            options.flops_per_step, options.warmup, precision, options.peak_flops is not None
+        )
         self.recorder = StepRecorder(clock=clock, step_origin=step_origin)
         self.recorder.on_step_closed = self._after_step
         self.recorder.on_first_step = self.start  # (so the watchdog watches step 1: a hang in it is common)

@@ -102,6 +102,7 @@ class RunSession:
             props = torch.cuda.get_device_properties(scope.recorder.clock.device)
             device, mem_limit = props.name, float(props.total_memory)
         precision = scope.flops.precision or "bf16"
+        scope.flops.device = device  # (a precision learnt later, under autocast, corrects the peak: `learnt`)
         return {
             "created_s": time.time(),
             "world_size": scope.coordinator.world_size,

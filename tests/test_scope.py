@@ -21,7 +21,6 @@ from pytscope_core.records import COL
 from pytscope_core.rundir import load_run, read_rows
 from pytscope_core.summary import summarize
 from pytscope_core.timeline import Mark
-from pytscope_core.watchdog import HANG_EXIT_CODE
 
 
 def run_job(tmp_path, script):
@@ -346,29 +345,6 @@ def test_a_disabled_scope_records_nothing_more_on_any_path(tmp_path):
 # -- the hang path ------------------------------------------------------------------------------------------
 
 
-def test_a_failing_hang_report_does_not_cancel_the_abort(tmp_path):
-    # The abort is decided before anything else runs; an error while reporting must not leave the job hung.
-    script = textwrap.dedent(f"""
-        import torch
-        from pytscope_core import Scope
-        model = torch.nn.Linear(4, 1); opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        scope = Scope({str(tmp_path)!r}, console=False, hang_timeout=1.0)
-        scope.watch(model, opt)
-        for step in range(1, 100):
-            if step == 8:
-                def broken(finding, step):
-                    raise OSError("disk full")
-                scope.session.live.hang = broken
-                while True:
-                    pass  # stuck
-            model(torch.randn(2, 4)).sum().backward(); opt.step(); opt.zero_grad()
-    """)
-    proc = run_job(tmp_path, script)
-    assert proc.returncode == HANG_EXIT_CODE, proc.stderr
-    assert "could not report the hang: OSError: disk full" in proc.stderr
-    assert "while True" in (tmp_path / "stacks" / "rank0.txt").read_text()  # the dump still happened
-
-
 def test_pending_rows_leave_the_recorder_as_it_was(tmp_path):
     # What the watchdog thread (hang) or a signal handler (SIGTERM) reads must not change the training
     # thread's state: the same rows go to the next gather.
@@ -488,28 +464,9 @@ def test_the_peak_follows_autocast_in_a_plain_loop(tmp_path):
         opt.step()
         opt.zero_grad()
     scope.finish()
-    assert json.loads((tmp_path / "meta.json").read_text())["peak_precision"] == "bf16"
+    # (The run starts before the first forward, where autocast is seen: the run learns it, as a meta event.)
+    assert load_run(tmp_path).meta["peak_precision"] == "bf16"
     assert scope.flops.precision == "bf16"
-
-
-def test_user_code_that_mocks_the_clock_does_not_blind_the_watchdog(tmp_path):
-    # Tests and libraries patch time.monotonic (Lightning's own test suite does); the watchdog keeps its own.
-    script = textwrap.dedent(f"""
-        import time, torch
-        from pytscope_core import Scope
-        model = torch.nn.Linear(4, 1); opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        scope = Scope({str(tmp_path)!r}, console=False, hang_timeout=1.0)
-        scope.watch(model, opt)
-        time.monotonic = lambda: 1000.0  # frozen, as under unittest.mock.patch("time.monotonic")
-        time.time = lambda: 1000.0
-        for step in range(1, 100):
-            if step == 8:
-                while True:
-                    pass  # stuck
-            model(torch.randn(2, 4)).sum().backward(); opt.step(); opt.zero_grad()
-    """)
-    proc = run_job(tmp_path, script)
-    assert proc.returncode == HANG_EXIT_CODE, proc.stderr
 
 
 class TwoHeads(torch.nn.Module):

@@ -227,3 +227,43 @@ def test_a_rank_behind_the_others_is_named_when_they_wait_where_pytscope_cannot_
     f = classify_hang({0: _beat("forward", 24), 1: _beat("data", 24)}, 2, 6.0)
     assert f is not None and f.severity.name == "HIGH" and f.ranks == (1,)
     assert f.title == "rank 1 stopped behind the others" and "furthest behind" in f.detail
+
+
+def _aborting(tmp_path, monkeypatch, report) -> list:
+    """Rank 0 of 2 idle in step 8's forward while rank 1 waits in its all-reduce (rank 0 is the missing one:
+    a hang proven by positions), on_hang="abort": the exit codes the watchdog ended the process with."""
+    exits: list = []
+    monkeypatch.setattr(watchdog.os, "_exit", exits.append)
+    monkeypatch.setattr(watchdog, "BEAT_S", 0.01)
+    monkeypatch.setattr(watchdog, "DUMP_WAIT_S", 0.1)
+    rec = StepRecorder()
+    rec.loop_top(Mark.FORWARD_BEGIN)
+    peer = {"step": 7, "phase": "comm", "idle_s": 100.0, "syncs": 8, "t": time.time()}
+    dog = Watchdog(
+        rec, DictStore(**{"pytscope/hb/1": json.dumps(peer)}), 0, 2, tmp_path, lambda: 0.05, "abort", report
+    )
+    dog.start()
+    deadline = time.monotonic() + 30.0
+    while not exits and time.monotonic() < deadline:
+        time.sleep(0.01)
+    dog.stop()
+    return exits
+
+
+def test_a_failing_hang_report_does_not_cancel_the_abort(tmp_path, monkeypatch, capsys):
+    # The abort is decided before anything else runs; an error while reporting must not leave the job hung.
+    def broken(finding):
+        raise OSError("disk full")
+
+    assert _aborting(tmp_path, monkeypatch, broken) == [watchdog.HANG_EXIT_CODE]
+    assert "could not report the hang: OSError: disk full" in capsys.readouterr().err
+    assert (tmp_path / "stacks" / "rank0.txt").exists()  # the dump still happened
+
+
+def test_user_code_that_mocks_the_clock_does_not_blind_the_watchdog(tmp_path, monkeypatch):
+    # Tests and libraries patch time.monotonic (Lightning's own test suite does); the watchdog keeps its own.
+    monkeypatch.setattr(time, "monotonic", lambda: 1000.0)  # frozen, as under unittest.mock.patch
+    monkeypatch.setattr(time, "time", lambda: 1000.0)
+    reported: list = []
+    assert _aborting(tmp_path, monkeypatch, reported.append) == [watchdog.HANG_EXIT_CODE]
+    assert reported[0].ranks == (0,)

@@ -69,7 +69,8 @@ the last SPIKE_EARLY_LEVEL steps and the noise comes from the successive differe
 (`stats.early_level_noise`), so the fast fall of early training is neither a level that lags nor noise."""
 SPIKE_EARLY_LEVEL = 10
 SPIKE_MADS = 6.0
-"""A spike sits more than 6 robust sigmas above the local median..."""
+"""A spike sits more than 6 robust sigmas above the local median (the larger of the MAD's and the upper
+spread's, `stats.trailing_upper_sigma`)..."""
 SPIKE_MIN_RELATIVE = 0.25
 """...and at least 25% above it, so tiny steady noise cannot produce spikes."""
 
@@ -88,18 +89,26 @@ class Spike:
     loss: float
     baseline: float  # trailing median before the spike
     ranks: tuple[int, ...] = ()  # the ranks whose own loss spiked, when not all of them (`spiking_ranks`)
+    sigmas: float = math.inf  # the jump at its onset in robust sigmas of the loss's noise there
 
 
 def spiking_ranks(arrays: RunArrays, spike: Spike) -> tuple[int, ...]:
-    """The ranks whose own loss at the spike's step rose at least half as far above the baseline as the
-    highest rank's; () when every rank's did (or the loss is one value broadcast to every rank)."""
+    """The ranks whose own loss at the spike's step is a spike against their own last SPIKE_WINDOW losses
+    (the same floors as the mean's); () when every rank's is (or the loss is one value on every rank)."""
     loss = np.asarray(arrays.loss)
     rows = np.flatnonzero(arrays.steps == spike.step)
     if rows.size == 0 or loss.strides[1] == 0:
         return ()
-    own = loss[rows[-1]]
-    with np.errstate(invalid="ignore"):
-        high = own >= spike.baseline + 0.5 * (np.nanmax(own) - spike.baseline)
+    i = int(rows[-1])
+    before = np.where(
+        np.isfinite(loss[max(0, i - SPIKE_WINDOW) : i]), loss[max(0, i - SPIKE_WINDOW) : i], np.nan
+    )
+    with np.errstate(invalid="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # (a rank with no finite loss before: not judged)
+        med = np.nanmedian(before, axis=0)
+        sigma = stats.MAD_TO_SIGMA * np.nanmedian(np.abs(before - med), axis=0)
+        jump = loss[i] - med
+        high = (jump > SPIKE_MADS * sigma) & (jump > SPIKE_MIN_RELATIVE * np.abs(med))
     if high.all() or not high.any():
         return ()
     return tuple(int(arrays.ranks[j]) for j in np.flatnonzero(high))
@@ -262,11 +271,14 @@ def find_spikes(loss: np.ndarray, steps: np.ndarray) -> tuple[Spike, ...]:
     ok = np.isfinite(loss)
     x, st = loss[ok], steps[ok]
     med, mad = stats.trailing_median_mad(x, SPIKE_WINDOW)
+    with np.errstate(invalid="ignore"):  # (the upper spread: noise skewed upwards is not a spike)
+        sigma = np.fmax(stats.MAD_TO_SIGMA * mad, stats.trailing_upper_sigma(x, SPIKE_WINDOW, med))
     early = slice(SPIKE_MIN_HISTORY, min(x.size, SPIKE_WINDOW))
-    med[early], mad[early] = stats.early_level_noise(x, SPIKE_MIN_HISTORY, SPIKE_WINDOW, SPIKE_EARLY_LEVEL)
+    med[early], noise = stats.early_level_noise(x, SPIKE_MIN_HISTORY, SPIKE_WINDOW, SPIKE_EARLY_LEVEL)
+    sigma[early] = stats.MAD_TO_SIGMA * noise
     with np.errstate(invalid="ignore"):
         jump = x - med
-        hit = (jump > SPIKE_MADS * stats.MAD_TO_SIGMA * mad) & (jump > SPIKE_MIN_RELATIVE * np.abs(med))
+        hit = (jump > SPIKE_MADS * sigma) & (jump > SPIKE_MIN_RELATIVE * np.abs(med))
     idx = np.flatnonzero(hit)
     if idx.size == 0:
         return ()
@@ -277,7 +289,15 @@ def find_spikes(loss: np.ndarray, steps: np.ndarray) -> tuple[Spike, ...]:
     order = np.argsort(x[idx], kind="stable")
     peaks[group[order]] = idx[order]
     onsets = idx[starts]  # the step that started the run is the one to look at (its batch, its update)
-    return tuple(Spike(int(st[o]), float(x[p]), float(med[o])) for o, p in zip(onsets, peaks, strict=True))
+    return tuple(
+        Spike(
+            int(st[o]),
+            float(x[p]),
+            float(med[o]),
+            sigmas=float(jump[o] / sigma[o]) if sigma[o] > 0 else math.inf,
+        )
+        for o, p in zip(onsets, peaks, strict=True)
+    )
 
 
 def first_nonfinite(arrays: RunArrays) -> tuple[int | None, tuple[int, ...]]:

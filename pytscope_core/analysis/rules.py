@@ -641,8 +641,12 @@ def nonfinite(a: RunAnalysis) -> list[Finding]:
 
 
 SPIKE_MED_COUNT = 3
-"""Three or more spikes (or one that doubles the loss) make it MED: the run is unstable, not unlucky."""
+"""Three or more spikes (or one that doubles the loss, far out of its noise) make it MED: the run is unstable,
+not unlucky."""
 SPIKE_MED_RATIO = 2.0
+SPIKE_MED_SIGMAS = 12.0
+"""...far out: twice the detection floor (convergence.SPIKE_MADS). A converged cross-entropy's batches swing
+to x3.8 its median at 7 sigmas in a healthy run; a real blow-up goes much further (x10 there: 22 sigmas)."""
 
 
 @rule("CONVERGENCE.SPIKE")
@@ -653,7 +657,8 @@ def spike(a: RunAnalysis) -> list[Finding]:
         return []
     worst = max(spikes, key=lambda s: s.loss / s.baseline if s.baseline > 0 else math.inf)
     ratio = worst.loss / worst.baseline if worst.baseline > 0 else math.inf
-    sev = Severity.MED if len(spikes) >= SPIKE_MED_COUNT or ratio >= SPIKE_MED_RATIO else Severity.LOW
+    far = any(s.loss >= SPIKE_MED_RATIO * s.baseline > 0 and s.sigmas >= SPIKE_MED_SIGMAS for s in spikes)
+    sev = Severity.MED if len(spikes) >= SPIKE_MED_COUNT or far else Severity.LOW
     listed = ", ".join(str(s.step) for s in spikes[:10]) + (" ..." if len(spikes) > 10 else "")
     return [
         Finding(

@@ -131,6 +131,21 @@ def trailing_median_mad(x: np.ndarray, window: int) -> tuple[np.ndarray, np.ndar
     return med, mad
 
 
+UPPER_DECILE_SIGMAS = 1.2816
+"""A normal distribution's 90th percentile sits this many sigmas above its median."""
+
+
+def trailing_upper_sigma(x: np.ndarray, window: int, med: np.ndarray) -> np.ndarray:
+    """The spread of the `window` values before each point above their median `med`, as a sigma: (90th
+    percentile - median) / 1.2816. The MAD's sigma for symmetric noise; larger for right-skewed noise (a
+    converged cross-entropy's batches), whose common high values a symmetric scale would call outliers."""
+    out = np.full(x.size, np.nan)
+    if x.size > window:
+        views = np.lib.stride_tricks.sliding_window_view(x[:-1], window)
+        out[window:] = (np.quantile(views, 0.9, axis=1) - med[window:]) / UPPER_DECILE_SIGMAS
+    return out
+
+
 def early_level_noise(x: np.ndarray, start: int, stop: int, recent: int) -> tuple[np.ndarray, np.ndarray]:
     """For each point i in [start, min(stop, x.size)): the median of the `recent` values before it (a level that
     keeps up with the fast fall at the start of training), and a robust noise scale from the successive
