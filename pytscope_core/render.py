@@ -222,7 +222,19 @@ def render_distributed(summary: Summary) -> RenderableType:
     ]
     if omitted:
         parts.append(Text(f"... {omitted} ranks omitted (showing the slowest 8 and fastest 4 by local work)"))
-    if d.intermittent is not None:
+    late = d.late
+    if late is not None and late.since is not None:
+        slow = [late.rank(r) for r in late.stragglers]
+        parts.append(
+            Text(
+                f"since around step {late.since}: rank{'s' if len(slow) > 1 else ''} "
+                f"{', '.join(str(r.rank) for r in slow)} {'are stragglers' if len(slow) > 1 else 'is a straggler'} ("
+                + ", ".join(f"{r.local_ms:.2f} ms of local work" for r in slow)
+                + f" vs {late.next_slowest_local_ms:.2f} ms), costing {100 * late.lost_to_imbalance:.1f}% of "
+                "those steps' wall time"
+            )
+        )
+    if d.intermittent is not None and not (late is not None and d.intermittent.rank in late.stragglers):
         w = d.intermittent
         parts.append(
             Text(

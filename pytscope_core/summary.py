@@ -138,7 +138,15 @@ class Summary:
                     }
                     for i, r in enumerate(d.per_rank)
                 ],
-                "stragglers": list(d.stragglers),
+                "stragglers": list(d.stragglers or (d.late.stragglers if d.late else ())),
+                "late": {  # no straggler over the whole run; one from `since` on (`stragglers` names it too)
+                    "since": d.late.since,
+                    "stragglers": list(d.late.stragglers),
+                    "lost_to_imbalance": d.late.lost_to_imbalance,
+                    "lost_ms_per_step": d.late.lost_ms_per_step,
+                }
+                if d.late
+                else None,
                 "intermittent": _fields(d.intermittent),
                 "transfer_ms": d.transfer_ms,
                 "transfer_share": d.transfer_share,

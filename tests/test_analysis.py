@@ -16,7 +16,7 @@ from pytscope_core.context import CountsCheck, ReplicaCheck, RunContext, Segment
 from pytscope_core.findings import Severity
 from pytscope_core.records import COL, NCOLS
 from pytscope_core.render import render_convergence, render_distributed
-from pytscope_core.summary import summarize
+from pytscope_core.summary import summarize, summary_of
 
 TRANSFER_MS = 0.5
 
@@ -79,6 +79,28 @@ def test_a_large_straggler_on_noisy_oversubscribed_ranks_is_named_and_the_same_n
             analyze(make_run(300, 4, seed=seed, noise=0.35), RunContext(world_size=4)).distributed.stragglers
             == ()
         )
+
+
+def test_a_straggler_that_begins_late_is_named_from_where_it_began():
+    # Rank 1 takes 1.5x longer from step 801 of 1,200: the whole run's medians barely move (two thirds of
+    # its steps are healthy), so the whole window names nobody; its last half does, and says since when.
+    rng = np.random.default_rng(0)
+    compute = 10.0 * (1 + 0.04 * rng.standard_normal((1200, 4)))
+    compute[800:, 1] *= 1.5
+    ph = np.zeros((1200, 4, 6))
+    ph[:, :, 1], ph[:, :, 2] = 0.4 * compute, 0.6 * compute
+    ph[:, :, 3] = compute.max(axis=1, keepdims=True) - compute + TRANSFER_MS
+    a = analyze(RunArrays.from_arrays(ph, loss=np.linspace(2, 1, 1200)), RunContext(world_size=4))
+    assert a.distributed.stragglers == () and a.distributed.late is not None
+    assert a.distributed.late.stragglers == (1,) and abs(a.distributed.late.since - 801) <= 10
+    found = {f.code: f for f in run_rules(a)}
+    assert found["DIST.STRAGGLER"].ranks == (1,) and "since around step" in found["DIST.STRAGGLER"].title
+    assert "slow now and then" not in found.get("TIMING.JITTER", found["DIST.STRAGGLER"]).title
+    s = summary_of(a, run_rules(a)).to_dict()["distributed"]
+    assert s["stragglers"] == [1] and s["late"]["since"] == a.distributed.late.since
+    # The same noise with no slow rank: no late straggler either, on any tail.
+    healthy = analyze(make_run(1200, 4, seed=1), RunContext(world_size=4)).distributed
+    assert healthy.stragglers == () and healthy.late is None
 
 
 def test_straggler_wait_is_not_billed_as_communication():

@@ -15,6 +15,7 @@ and the result says why, instead of declaring the job balanced.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -40,6 +41,14 @@ STRAGGLER_MIN_Z = 3.0
 """Binomial z of that persistence against a fair coin: keeps 200-step windows from flagging luck."""
 STRAGGLER_MIN_COST_SHARE = 0.02
 """The slow ranks' extra local work over the next-slowest rank must cost >= 2% of wall to be worth fixing."""
+
+LATE_TAILS = (2, 4, 8)
+"""Where the whole window names no straggler, the last 1/2, 1/4 and 1/8 of its steps are tried (each of at
+least LATE_MIN_STEPS): a rank +80% slower from step 800 of 1,300 moved the run's medians by 7% only, and
+its whole-run numbers said nothing. The same gates apply; a tail is judged only where its slowest rank's
+median local work is already STRAGGLER_MIN_EXCESS above the others' (a cheap screen, per rank, not per step)."""
+LATE_MIN_STEPS = 100
+LATE_SCREEN_STEPS = 256
 
 INTERMITTENT_SLOW = 1.5
 """Slow steps take at least 1.5x the median step (TIMING.JITTER's p95 ratio) and INTERMITTENT_SIGMAS robust
@@ -119,6 +128,8 @@ class DistributedTiming:
     hosts: tuple[str, ...] = ()  # per_rank's hosts, in its order (empty: placement unknown)
     local_ranks: tuple[int, ...] = ()  # ...and local ranks
     intermittent: Intermittent | None = None  # a rank that makes most of the slow steps slow
+    since: int | None = None  # this analysis covers the steps from this one on (a `late` tail)
+    late: DistributedTiming | None = None  # no straggler over the whole window, but one over its last steps
 
     def rank(self, rank: int) -> RankTiming:
         return next(r for r in self.per_rank if r.rank == rank)
@@ -137,7 +148,50 @@ def distributed_timing(
     timing = replace(
         _distributed_timing(arrays, sel), count_divergence=count_divergence(arrays, not records_lost)
     )
-    return timing if comm_measured else _without_comm(timing, parallelism)
+    if not comm_measured:
+        return _without_comm(timing, parallelism)
+    return timing if timing.stragglers else replace(timing, late=_late(arrays, sel, timing))
+
+
+def _late(arrays: RunArrays, sel: np.ndarray, whole: DistributedTiming) -> DistributedTiming | None:
+    """The analysis of the longest tail of `sel` (LATE_TAILS) that names a straggler, or None. A tail is
+    analysed only where its slowest rank's median local work (from at most LATE_SCREEN_STEPS of its steps)
+    is STRAGGLER_MIN_EXCESS above the other ranks' and by that much more than over the whole window: a
+    straggler that began there, not one the whole window already judged (too small a cost, say)."""
+    idx = np.flatnonzero(sel)
+    overall = np.array([r.local_ms for r in whole.per_rank])
+    for part in LATE_TAILS:
+        start = idx.size - idx.size // part
+        if idx.size - start < LATE_MIN_STEPS or arrays.world_size < 2 or overall.size != arrays.world_size:
+            return None
+        steps = idx[start:]
+        sample = steps[:: max(1, steps.size // LATE_SCREEN_STEPS)]
+        with np.errstate(invalid="ignore"), warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # (a rank with no record there)
+            med = np.nanmedian(arrays.wall_ms[sample] - arrays.comm_ms[sample], axis=0)
+            if not np.isfinite(med).any():
+                return None
+            slowest = int(np.nanargmax(med))
+            excess = med[slowest] / np.nanmedian(np.delete(med, slowest)) - 1
+            before = overall[slowest] / np.nanmedian(np.delete(overall, slowest)) - 1
+        if not (excess >= STRAGGLER_MIN_EXCESS and excess - before >= STRAGGLER_MIN_EXCESS):
+            continue
+        tail = np.zeros_like(sel)
+        tail[steps] = True
+        d = _distributed_timing(arrays, tail)
+        if d.stragglers:
+            local = (arrays.wall_ms - arrays.comm_ms)[idx]
+            return replace(d, since=int(arrays.steps[idx[_onset(local, ranks=d.stragglers)]]))
+    return None
+
+
+def _onset(local: np.ndarray, ranks: tuple[int, ...] | list[int]) -> int:
+    """Where `ranks` (columns of `local`, (S, R)) began to be slower than the other ranks' median: the change
+    point of the steps they are slower in (the lowest point of its cumulative sum about its mean)."""
+    cols = list(ranks)
+    others = np.median(np.delete(local, cols, axis=1), axis=1)
+    slower = (local[:, cols].min(axis=1) > others).astype(np.float64)
+    return int(np.argmin(np.cumsum(slower - slower.mean())) + 1) % slower.size
 
 
 def _without_comm(d: DistributedTiming, parallelism: str | None) -> DistributedTiming:

@@ -110,8 +110,10 @@ def _cost_severity(share: float) -> Severity:
 def straggler(a: RunAnalysis) -> list[Finding]:
     """One rank persistently has the most local work. Floors: excess >= 4.5%, slower in >= 70% of steps (60%
     from an excess of 13.5%; binomial z >= 3), and its extra work over the next-slowest rank >= 2% of wall
-    (distributed.py)."""
+    (distributed.py). One that began late is named from the tail of the run where it is one (`late`)."""
     d = a.distributed
+    if not d.stragglers and d.late is not None:
+        d = d.late
     if len(d.stragglers) != 1:
         return []
     rank = d.stragglers[0]
@@ -124,9 +126,15 @@ def straggler(a: RunAnalysis) -> list[Finding]:
         Finding(
             code="DIST.STRAGGLER",
             severity=_cost_severity(d.lost_to_imbalance),
-            title=f"Rank {rank}{on_host} is a straggler: the other ranks wait for it every step",
+            title=f"Rank {rank}{on_host} is a straggler: the other ranks "
+            + (f"have waited for it since around step {d.since}" if d.since is not None else "wait for it"),
             detail=(
-                f"{a.ctx.placement.describe(rank).capitalize()} does {me.local_ms:.2f} ms of local work per "
+                (
+                    f"From around step {d.since} on (before it, no rank was): {a.ctx.placement.describe(rank)}"
+                    if d.since is not None
+                    else a.ctx.placement.describe(rank).capitalize()
+                )
+                + f" does {me.local_ms:.2f} ms of local work per "
                 f"step vs {others:.2f} ms on the other "
                 f"ranks (median, +{_pct(me.excess)}); it is slower than the others' median in "
                 f"{_pct(me.slower_share)} of {d.steps_counted} steps (z = {me.z:.1f}) and on the critical "
@@ -161,6 +169,7 @@ def straggler(a: RunAnalysis) -> list[Finding]:
                 "critical_share": me.critical_share,
                 "lost_ms_per_step": d.lost_ms_per_step,
                 "lost_share": d.lost_to_imbalance,
+                **({"since_step": float(d.since)} if d.since is not None else {}),
             },
         )
     ]
@@ -778,6 +787,9 @@ def jitter(a: RunAnalysis) -> list[Finding]:
     if not ratio >= JITTER_P95_RATIO or cost < JITTER_MIN_COST:
         return []
     who = a.distributed.intermittent  # (None where communication is not measured)
+    late = a.distributed.late
+    if who is not None and late is not None and who.rank in late.stragglers:
+        who = None  # slow in every step since it began (DIST.STRAGGLER), not now and then
     if who is not None:
         every = f", every {who.every} steps" if who.every else ""
         where = (
