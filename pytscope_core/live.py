@@ -71,6 +71,7 @@ class LiveDiagnosis:
         self._first_nonfinite: tuple[int, tuple[int, ...]] | None = None
         self._urgent = False  # a diagnosis is due now, whatever its budget says (the first non-finite loss)
         self._reported: dict[tuple[str, tuple[int, ...]], Severity] = {}
+        self._diagnosed: dict[tuple[str, tuple[int, ...]], Finding] = {}  # the last diagnosis's findings said
         self._cost_s = 0.0
         self._at = clock()
         self._lock = threading.RLock()
@@ -175,11 +176,21 @@ class LiveDiagnosis:
         with self._lock:
             self.diagnoses += 1
             self.findings = findings + self.extra_findings
+            # A HIGH or MED finding the diagnosis no longer makes is said to be gone (a stale alarm must not
+            # stand on the console) and forgotten: said again if it comes back. (LOW ones stay remembered: a
+            # hint near its threshold would be said at every other diagnosis.)
+            now = {f.key for f in findings}
+            gone = [f for key, f in self._diagnosed.items() if key not in now and f.severity >= Severity.MED]
+            for f in gone:
+                self._reported.pop(f.key, None)
             fresh = [f for f in self.findings if self._reported.get(f.key, Severity.LOW - 1) < f.severity]
             for f in fresh:
                 self._reported[f.key] = f.severity
+            self._diagnosed = {f.key: f for f in findings if f.key in self._reported}
             if fresh:
                 self.reporter.findings(fresh, step)
+            if gone:
+                self.reporter.cleared(gone, step)
         if self.metrics_sink is not None:
             values = metrics(analysis, self.findings)
             with self._lock:

@@ -58,6 +58,17 @@ class RunReporter:
             self.console.print(f"[bold]pytscope[/] step {step}:")
             self.console.print(render_findings(findings))
 
+    def cleared(self, findings: list[Finding], step: int) -> None:
+        """Findings said live that the latest diagnosis no longer makes."""
+        self.writer.event("cleared", step=step, findings=[f.key[0] for f in findings])
+        if self.console is not None:
+            from rich.markup import escape
+
+            for f in findings:
+                self.console.print(
+                    f"[bold]pytscope[/] step {step}: no longer found: {escape(f.title)} ({f.code})"
+                )
+
     def hang(self, finding: Finding, step: int) -> None:
         self.writer.event("hang", step=step, finding=finding.to_dict())
         if self.console is not None:

@@ -14,7 +14,7 @@ from pytscope_core import watchdog
 from pytscope_core.analysis import diagnose
 from pytscope_core.arrays import RunArrays
 from pytscope_core.context import RunContext, Segment
-from pytscope_core.findings import Severity
+from pytscope_core.findings import Finding, Severity
 from pytscope_core.gather import HEADER
 from pytscope_core.ingest import BackgroundIngest, Gathered
 from pytscope_core.live import LiveDiagnosis
@@ -22,6 +22,7 @@ from pytscope_core.placement import Placement, local_place
 from pytscope_core.records import COL, NCOLS
 from pytscope_core.render import render_summary
 from pytscope_core.reporter import RunReporter
+from pytscope_core.rundir import read_events
 from pytscope_core.summary import summarize
 from pytscope_core.watchdog import beat_period, classify_hang, read_beats
 
@@ -274,3 +275,22 @@ def test_rows_in_gather_order_give_the_same_arrays_as_any_order():
     ):
         np.testing.assert_array_equal(getattr(fast, name), getattr(general, name))
     assert fast.wall_ms[3, 2] == 2 * 30 + 3  # step 4 of rank 2
+
+
+def test_a_live_alarm_that_goes_away_is_said_to_and_said_again_when_it_returns(tmp_path, monkeypatch):
+    # A straggler said live from a transient slowdown must not stand on the console (nor keep the real one,
+    # later, from being said): gone at the next diagnosis, it is said to be gone, and said again on return.
+    from pytscope_core import analysis
+
+    alarm = Finding("DIST.STRAGGLER", Severity.HIGH, "Rank 1 is a straggler", "d", "r", ranks=(1,))
+    verdicts = iter([[alarm], [], [alarm]])
+    monkeypatch.setattr(analysis, "run_rules", lambda a: next(verdicts))
+    live = live_of(tmp_path)
+    g = gathered(0)
+    live.record(g.headers, g.rows, g.gather, g.step)
+    for step in (10, 20, 30):
+        live.diagnose(step)
+    live.reporter.close()
+    events, _ = read_events(tmp_path)
+    said = [(e["type"], e["step"]) for e in events if e["type"] in ("finding", "cleared")]
+    assert said == [("finding", 10), ("cleared", 20), ("finding", 30)]
