@@ -420,13 +420,16 @@ def test_infinite_loss_is_nonfinite_and_breaks_nothing():
     assert f"the last finite loss before it was {loss[119]:.4g} (the mean over ranks)." in found[0].detail
     summary = summarize(arrays, RunContext(world_size=4))
     assert summary.convergence.nonfinite_step == 121
+    assert summary.convergence.trend.trend == "improving"  # finite again after it (a skipped step, say)
     json.dumps(summary.to_dict(), allow_nan=False)
 
 
 def test_nan_after_dense_logging_is_nonfinite_but_sparse_logging_is_not():
     dense = np.linspace(3, 1, 200)
     dense[150:] = np.nan
-    assert analyze(make_run(200, 2, loss=dense), RunContext(world_size=2)).convergence.nonfinite_step == 151
+    c = analyze(make_run(200, 2, loss=dense), RunContext(world_size=2)).convergence
+    assert c.nonfinite_step == 151
+    assert c.trend.trend == "non-finite"  # never finite again: not "improving" for what fell before it
     sparse = np.full(200, np.nan)
     sparse[::10] = np.linspace(3, 1, 20)
     assert analyze(make_run(200, 2, loss=sparse), RunContext(world_size=2)).convergence.nonfinite_step is None

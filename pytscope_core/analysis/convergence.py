@@ -77,7 +77,7 @@ SPIKE_MIN_RELATIVE = 0.25
 
 @dataclass(frozen=True)
 class LossTrend:
-    trend: str  # "improving", "flat", "worsening" or "unknown"
+    trend: str  # "improving", "flat", "worsening", "unknown", or "non-finite" (never finite again after a NaN/Inf)
     t: float  # (last - first) / its standard error; negative when the loss goes down
     relative_change: float  # (last quarter mean - first quarter mean) / |first quarter mean|
     finite_steps: int
@@ -365,8 +365,11 @@ def convergence(
     spark = finite
     if finite.size > 40:
         spark = stats.block_means(finite, 40)
+    trend = loss_trend(counted)  # (of the finite losses)
+    if step is not None and not np.isfinite(per_step[arrays.steps >= step]).any():
+        trend = replace(trend, trend="non-finite")  # what fell before the NaN is not where the run is going
     return Convergence(
-        trend=loss_trend(counted),
+        trend=trend,
         first_loss=float(finite[0]) if finite.size else math.nan,
         last_loss=float(finite[-1]) if finite.size else math.nan,
         nonfinite_step=step,
