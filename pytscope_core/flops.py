@@ -165,11 +165,15 @@ class StepFlops:
     before the run directory exists wait in `learnt` until the session writes them."""
 
     def __init__(
-        self, flops_per_step: float | None, warmup: int, precision: str | None, peak_given: bool = False
+        self,
+        flops_per_step: float | None,
+        warmup: int,
+        precision: str | None,
+        peak_flops: float | None = None,
     ) -> None:
         self.precision = precision  # None: decided from the model's parameters (and autocast)
         self.precision_given = precision is not None
-        self.peak_given = peak_given  # `peak_flops=` given: the table's peak is never used
+        self.peak_given = peak_flops is not None  # `peak_flops=` given: the table's peak is never used
         self.device: str | None = None  # the run's device, once its meta (and table peak) is written
         self.warmup = warmup
         self.learnt: dict[str, Any] = {}

@@ -62,9 +62,7 @@ class Scope:
         self.options = options = ScopeOptions.resolve(options, run_dir, **option_values)
         self.run_dir: Path | None = options.run_path
         self.integration = integration
-        self.flops = StepFlops(
-            options.flops_per_step, options.warmup, precision, options.peak_flops is not None
-        )
+        self.flops = StepFlops(options.flops_per_step, options.warmup, precision, options.peak_flops)
         self.recorder = StepRecorder(clock=clock, step_origin=step_origin)
         self.recorder.on_step_closed = self._after_step
         self.recorder.on_first_step = self.start  # (so the watchdog watches step 1: a hang in it is common)
@@ -326,7 +324,7 @@ class Scope:
         self.recorder.stop()
         self.flops.cancel()
         self.hooks.flop_estimate = None
-        message = f"internal error, {SCOPE_DISABLED}, training continues: {type(exc).__name__}: {exc}"
+        message = disabled_message(exc)
         self.errors.append(message)
         if self.session is not None:
             self.session.disabled()  # the watchdog stops first, as before anything else can block
@@ -341,6 +339,19 @@ class Scope:
 
     def say(self, message: str) -> None:
         print(f"pytscope[rank {self.rank}]: {message}", file=sys.stderr, flush=True)
+
+
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+"""What gloo raises in the scope's own collectives when another process of the job has died."""
+
+
+def disabled_message(exc: BaseException) -> str:
+    """Why the scope disabled itself: its internal error, or another rank gone (its process ended, e.g. by an
+    exception of its own, while this one waited in the scope's gather): not the scope's fault, said so."""
+    text = f"{type(exc).__name__}: {exc}"
+    if any(s in str(exc) for s in PEER_GONE):
+        return f"another rank left the job during pytscope's gather, {SCOPE_DISABLED}, training continues: {text}"
+    return f"internal error, {SCOPE_DISABLED}, training continues: {text}"
 
 
 def raised(exc: BaseException) -> str:

@@ -19,6 +19,7 @@ from pytscope_core.cli import main
 from pytscope_core.live import LIVE_STEPS
 from pytscope_core.records import COL
 from pytscope_core.rundir import load_run, read_rows
+from pytscope_core.scope import disabled_message
 from pytscope_core.summary import summarize
 from pytscope_core.timeline import Mark
 
@@ -718,3 +719,13 @@ def test_backward_starts_where_the_gradient_reaches_the_output_so_a_large_head_i
     phases = summarize(run.arrays, run.context).to_dict()["timing"]["phases"]
     assert phases["backward"]["median_ms"] > 0.6 * float(np.median(measured[2:]))
     assert phases["other"]["median_ms"] < phases["backward"]["median_ms"]
+
+
+def test_a_peer_gone_during_the_scopes_gather_is_not_called_its_internal_error():
+    # Another rank raised and its process ended while this one waited in the scope's gather: gloo says the
+    # connection closed. The scope stops (it cannot gather any more), but says whose fault it was not.
+    gone = disabled_message(
+        RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer [::1]:1")
+    )
+    assert gone.startswith("another rank left the job during pytscope's gather") and "scope disabled" in gone
+    assert disabled_message(ValueError("x")).startswith("internal error, scope disabled")
