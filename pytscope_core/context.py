@@ -55,6 +55,9 @@ class RunContext:
     peak_flops: float | None = None  # per-device peak FLOP/s
     mem_limit_bytes: float | None = None  # device memory (CUDA) or host RAM (CPU)
     parallelism: str | None = None  # what the model was wrapped in (parallelism.py); None: not recorded
+    integration: str | None = (
+        None  # "torch", "lightning", "accelerate" (the advice differs); None: not recorded
+    )
     comm_measured: bool = True  # False: waits hide in compute, so no local work or straggler analysis
     segments: tuple[Segment, ...] = ()
     counts_checks: tuple[CountsCheck, ...] = ()
@@ -88,6 +91,7 @@ class RunContext:
             "peak_flops": _positive(meta.get("peak_flops")),
             "mem_limit_bytes": _positive(meta.get("mem_limit_bytes")),
             "parallelism": meta.get("parallelism"),
+            "integration": meta.get("integration") if isinstance(meta.get("integration"), str) else None,
             "comm_measured": meta.get("comm_measured") is not False,  # runs from before the key: measured
             "placement": Placement.from_meta(meta),
         }

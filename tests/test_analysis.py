@@ -814,3 +814,20 @@ def test_no_fingerprints_no_finding():
     assert "DATA.DUPLICATE_SHARDS" not in {
         f.code for f in diagnose(make_run(100, 2), RunContext(world_size=2))
     }
+
+
+def test_advice_on_other_time_fits_the_integration():
+    # Under Lightning the loss is inside training_step (forward and backward): not the first suspect in `other`.
+    ph = np.zeros((300, 2, 6))
+    ph[:, :, 1], ph[:, :, 2], ph[:, :, 5] = 2.0, 3.0, 5.0  # half of each step in `other`
+    arrays = RunArrays.from_arrays(ph, loss=np.linspace(2, 1, 300))
+    advice = {
+        integration: next(
+            f.recommendation
+            for f in diagnose(arrays, RunContext(world_size=2, integration=integration))
+            if f.code == "EFFICIENCY.RECOVERABLE"
+        )
+        for integration in ("torch", "lightning")
+    }
+    assert "a loss computed outside the model" in advice["torch"]
+    assert "training_step's loss is timed as forward and backward" in advice["lightning"]

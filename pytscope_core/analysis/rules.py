@@ -1012,7 +1012,17 @@ def _advice(line: str, a: RunAnalysis) -> str:
         if a.world_size < 2:
             return "fewer sharded units, or no fully_shard on one rank (its brackets hold FSDP's own copies)"
         return "more prefetch, fewer and larger sharded units, or reshard_after_forward=False (see DIST.COMM_BOUND)"
+    if line == "other" and a.ctx.integration == "lightning":
+        return _OTHER_UNDER_LIGHTNING
     return _ADVICE[line]
+
+
+_OTHER_UNDER_LIGHTNING = (
+    "look at what runs between the phases (training_step's loss is timed as forward and backward already): "
+    "per-step reads of tensors (.item(), .cpu() wait for the device; self.log(..., sync_dist=True) syncs "
+    "every rank), metrics and logging every step (log_every_n_steps), callbacks, gradient clipping, copies of "
+    "the batch to the device (pin_memory=True)"
+)
 
 
 @rule("EFFICIENCY.RECOVERABLE")
