@@ -65,6 +65,9 @@ class RunContext:
     hang_reports: tuple[dict, ...] = ()  # DIST.HANG reports written by the watchdog (plain JSON)
     scope_errors: tuple[str, ...] = ()  # what went wrong in the scope (those with SCOPE_DISABLED: it stopped)
     scope_notes: tuple[str, ...] = ()  # what rank 0's scope could not measure (e.g. a loader never iterated)
+    ended: bool = (
+        True  # the run wrote its end-of-run summary; False: killed (SIGKILL, OOM, a hang's abort) or running
+    )
     records_lost: bool = False  # the reader dropped torn or corrupt rows: a missing step may be one of them
     rank_notes: tuple[tuple[int, str], ...] = ()  # (rank, why it wrote its own rows: "hang", "SIGTERM" ...)
     placement: Placement = field(default_factory=Placement)  # each rank's host and local rank (meta "hosts")

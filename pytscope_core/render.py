@@ -95,6 +95,11 @@ def render_run(summary: Summary) -> RenderableType:
         table.add_row(
             f"rank {end.rank}", Text(f"records {where}: {end.reason}")
         )  # the reason may quote an error
+    if not r.ended:
+        table.add_row(
+            "end",
+            Text("no end-of-run summary: killed (SIGKILL, out of memory, a hang's abort) or still running"),
+        )
     table.add_row("elapsed", _num(g.elapsed_s, ".1f", " s"))
     goodput = "n/a" if not math.isfinite(g.goodput) else f"{100 * g.goodput:.1f}%"
     table.add_row(

@@ -7,6 +7,7 @@ thread-safe (`RunWriter` locks); console output is rich.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 from collections.abc import Iterable
@@ -102,7 +103,10 @@ class RunReporter:
         from .summary import summarize
 
         run = load_run(self.run_dir)
-        summary = summarize(run.arrays, run.context, extra_findings=tuple(run.extra_findings))
+        ended = dataclasses.replace(
+            run.context, ended=True
+        )  # (this is its end: the summary is written below)
+        summary = summarize(run.arrays, ended, extra_findings=tuple(run.extra_findings))
         with open(os.devnull, "w") as devnull:
             text = Console(record=True, width=110, file=devnull, color_system=None)
             text.print(render_summary(summary))

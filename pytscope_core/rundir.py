@@ -300,6 +300,8 @@ def load_run(path: str | os.PathLike[str], warmup: int | None = None) -> Run:
         context = dataclasses.replace(context, rank_notes=tuple(sorted(rank_reasons.items())))
     if corrupt or torn:
         context = dataclasses.replace(context, records_lost=True)
+    if not (root / "summary.json").is_file():  # written last, by the end of the run
+        context = dataclasses.replace(context, ended=False)
     live: list[Finding] = []
     extra: list[Finding] = []
     for e in events:

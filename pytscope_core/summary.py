@@ -35,6 +35,7 @@ class RunInfo:
     rank_ends: tuple[RankEnd, ...] = ()  # ranks whose records end early, and why
     parallelism: str | None = None  # what the model was wrapped in: ddp, fsdp2, fsdp1, deepspeed ...
     comm_measured: bool = True  # False: communication hides in compute (see `comm_note`)
+    ended: bool = True  # False: no end-of-run summary was written (killed, or still running)
 
     @property
     def comm_note(self) -> str | None:
@@ -67,6 +68,7 @@ class Summary:
                 "last_step": self.run.last_step,
                 "device": self.run.device,
                 "restarts": self.run.restarts,
+                "ended": self.run.ended,
                 "parallelism": self.run.parallelism,
                 "comm_measured": self.run.comm_measured,
                 "comm_note": self.run.comm_note,
@@ -228,6 +230,7 @@ def summary_of(analysis: RunAnalysis, findings: list[Finding]) -> Summary:
             rank_ends=analysis.rank_ends,
             parallelism=ctx.parallelism,
             comm_measured=ctx.comm_measured,
+            ended=ctx.ended,
         ),
         timing=analysis.timing,
         distributed=analysis.distributed,

@@ -301,3 +301,14 @@ def test_a_torn_last_row_is_said_and_its_missing_step_is_no_desync(tmp_path):
     run = load_run(tmp_path)
     assert any("torn last row" in p for p in run.problems) and run.context.records_lost
     assert "DIST.DESYNC" not in {x.code for x in diagnose(run.arrays, run.context)}
+
+
+def test_a_run_without_its_end_of_run_summary_says_it_did_not_end(tmp_path, capsys):
+    # Killed by SIGKILL or the OOM killer (or still running): the records look like a finished run's.
+    write_run(tmp_path)
+    assert main(["report", str(tmp_path)]) == 0
+    assert "no end-of-run summary: killed" in " ".join(capsys.readouterr().out.split())
+    assert main(["report", str(tmp_path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["run"]["ended"] is False
+    (tmp_path / "summary.json").write_text("{}")  # what the end of the run writes, last
+    assert load_run(tmp_path).context.ended
