@@ -63,6 +63,9 @@ class RunContext:
     counts_checks: tuple[CountsCheck, ...] = ()
     replica_checks: tuple[ReplicaCheck, ...] = ()
     hang_reports: tuple[dict, ...] = ()  # DIST.HANG reports written by the watchdog (plain JSON)
+    alive: tuple[
+        tuple[int, float], ...
+    ] = ()  # (segment, epoch s) the job was seen alive, stuck: its hang reports
     scope_errors: tuple[str, ...] = ()  # what went wrong in the scope (those with SCOPE_DISABLED: it stopped)
     scope_notes: tuple[str, ...] = ()  # what rank 0's scope could not measure (e.g. a loader never iterated)
     ended: bool = (

@@ -136,7 +136,7 @@ class LiveDiagnosis:
         """Called from the watchdog thread."""
         with self._lock:
             self.hang_reports.append(finding.to_dict())
-            self.reporter.hang(finding, step)
+            self.reporter.hang(finding, step, self.segment.index)
 
     def publish_metrics(self, step: int) -> None:
         """Hand the latest diagnosis's metrics, if not handed yet, to the sink at training step `step` (the

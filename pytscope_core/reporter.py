@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
+import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -70,8 +71,9 @@ class RunReporter:
                     f"[bold]pytscope[/] step {step}: no longer found: {escape(f.title)} ({f.code})"
                 )
 
-    def hang(self, finding: Finding, step: int) -> None:
-        self.writer.event("hang", step=step, finding=finding.to_dict())
+    def hang(self, finding: Finding, step: int, segment: int = 0) -> None:
+        # When, and in which launch: the job was alive, stuck, until then (goodput counts that time).
+        self.writer.event("hang", step=step, segment=segment, t=time.time(), finding=finding.to_dict())
         if self.console is not None:
             from .render import render_findings
 

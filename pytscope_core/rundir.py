@@ -406,7 +406,7 @@ def _context(
 ) -> RunContext:
     """The run's context from its settings and events; an event that cannot be read is left out, and said
     in `problems` by kind (a damaged hang report must not vanish without a word)."""
-    segments, counts, replicas, hangs, errors, notes = [], [], [], [], [], []
+    segments, counts, replicas, hangs, errors, notes, alive = [], [], [], [], [], [], []
     unreadable: dict[str, int] = {}
     world = int(meta.get("world_size") or arrays.world_size or 1)
     for e in events:
@@ -439,6 +439,8 @@ def _context(
             elif kind == "hang":
                 Finding.from_dict(e["finding"])  # a damaged report is left out, as any unreadable event
                 hangs.append(dict(e["finding"]))
+                if isinstance(e.get("t"), (int, float)) and isinstance(e.get("segment"), int):
+                    alive.append((e["segment"], float(e["t"])))
             elif kind == "scope_error":
                 errors.append(str(e.get("message", "")))
             elif kind == "scope_note" and str(e.get("message", "")) not in notes:  # (each launch says it)
@@ -454,6 +456,7 @@ def _context(
         counts_checks=tuple(counts),
         replica_checks=tuple(replicas),
         hang_reports=tuple(hangs),
+        alive=tuple(alive),
         scope_errors=tuple(errors),
         scope_notes=tuple(notes),
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 
@@ -831,3 +832,13 @@ def test_advice_on_other_time_fits_the_integration():
     }
     assert "a loss computed outside the model" in advice["torch"]
     assert "training_step's loss is timed as forward and backward" in advice["lightning"]
+
+
+def test_time_a_job_spent_hung_counts_against_goodput():
+    # 50 steps of 10 ms from t=1000 s, then stuck until the hang was reported at t=1006 s and the job ended.
+    rows = _rows(0, range(1, 51), 1000.0)
+    ctx = RunContext(world_size=2, segments=(Segment(0, 1000.0, 0, 2),), alive=((0, 1006.0),))
+    g = summarize(RunArrays.from_rows(rows, warmup=0), ctx).efficiency.goodput
+    assert g.elapsed_s == pytest.approx(6.0, abs=1e-6) and g.goodput == pytest.approx(0.5 / 6.0, rel=1e-3)
+    g = summarize(RunArrays.from_rows(rows, warmup=0), dataclasses.replace(ctx, alive=())).efficiency.goodput
+    assert g.elapsed_s == pytest.approx(0.5, abs=1e-6)  # without the report: the steps alone

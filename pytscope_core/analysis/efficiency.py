@@ -132,6 +132,8 @@ def goodput(arrays: RunArrays, ctx: RunContext, wall: np.ndarray, sel: np.ndarra
         ends, starts = ends[np.isfinite(ends)], starts[np.isfinite(starts)]
         info = known.get(index)
         began = info.started_s if info else (float(starts.min()) if starts.size else math.nan)
+        # A launch that hung ran, stuck, at least until its hang report: that time is lost, not absent.
+        ends = np.concatenate((ends, [t for s, t in ctx.alive if s == index]))
         steps = arrays.steps[mine]
         spans.append(
             SegmentSpan(
