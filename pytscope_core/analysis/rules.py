@@ -136,7 +136,8 @@ def straggler(a: RunAnalysis) -> list[Finding]:
                 )
                 + f" does {me.local_ms:.2f} ms of local work per "
                 f"step vs {others:.2f} ms on the other "
-                f"ranks (median, +{_pct(me.excess)}); it is slower than the others' median in "
+                f"ranks (medians; +{_pct(me.excess)} in its median step against the others' median there); it is "
+                "slower than the others' median in "
                 f"{_pct(me.slower_share)} of {d.steps_counted} steps (z = {me.z:.1f}) and on the critical "
                 f"path in {_pct(me.critical_share)}."
                 + (
