@@ -6,10 +6,12 @@ Progress means a new timeline mark. The beat period grows with the world size (`
 writes to the store stay bounded per second at any scale; rank 0 reads the other ranks' heartbeats (in one
 `multi_get`) only while it has itself made no progress for `hang_timeout`, since until then there is no hang.
 When no rank has progressed for `hang_timeout` seconds, rank 0 splits
-the ranks into those waiting in the gradient all-reduce and those that never reached it, writes DIST.HANG,
-and raises a flag in the store; every rank then dumps all its threads' Python stacks into the run
-directory and, with on_hang="abort", exits non-zero so the launcher can restart the job in minutes
-instead of after the collective timeout.
+the ranks into those waiting in a collective it times and those that never reached it (or, where none waits
+in one, those behind the others in the step), writes DIST.HANG, and raises a flag in the store; every rank
+then dumps all its threads' Python stacks into the run directory and, with on_hang="abort", exits non-zero
+so the launcher can restart the job in minutes instead of after the collective timeout. Every rank idle at
+one place, none in a timed collective, proves no hang (slow work looks the same): that is said (MED), the
+stacks are dumped, and nobody exits. Watching goes on after any report that did not end the job.
 """
 
 from __future__ import annotations
