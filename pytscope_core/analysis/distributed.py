@@ -181,15 +181,17 @@ def _late(arrays: RunArrays, sel: np.ndarray, whole: DistributedTiming) -> Distr
         d = _distributed_timing(arrays, tail)
         if d.stragglers:
             local = (arrays.wall_ms - arrays.comm_ms)[idx]
-            return replace(d, since=int(arrays.steps[idx[_onset(local, ranks=d.stragglers)]]))
+            cols = [int(np.flatnonzero(arrays.ranks == r)[0]) for r in d.stragglers]
+            return replace(d, since=int(arrays.steps[idx[_onset(local, cols)]]))
     return None
 
 
-def _onset(local: np.ndarray, ranks: tuple[int, ...] | list[int]) -> int:
-    """Where `ranks` (columns of `local`, (S, R)) began to be slower than the other ranks' median: the change
-    point of the steps they are slower in (the lowest point of its cumulative sum about its mean)."""
-    cols = list(ranks)
-    others = np.median(np.delete(local, cols, axis=1), axis=1)
+def _onset(local: np.ndarray, cols: list[int]) -> int:
+    """Where the ranks in columns `cols` of `local` (S, R) began to be slower than the other ranks' median: the
+    change point of the steps they are slower in (the lowest point of its cumulative sum about its mean)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # (a step no other rank recorded)
+        others = np.nanmedian(np.delete(local, cols, axis=1), axis=1)
     slower = (local[:, cols].min(axis=1) > others).astype(np.float64)
     return int(np.argmin(np.cumsum(slower - slower.mean())) + 1) % slower.size
 

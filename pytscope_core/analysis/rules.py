@@ -505,14 +505,14 @@ def hang(a: RunAnalysis) -> list[Finding]:
         if (
             step is not None
             and a.last_step is not None
-            and a.last_step > step
-            and min(ended, default=a.last_step) > step
-        ):
+            and a.last_step >= step
+            and min(ended, default=a.last_step) >= step
+        ):  # (the step a hang is at is the one the waiting ranks were in: they completed it)
             f = dataclasses.replace(
                 f,
                 severity=min(f.severity, Severity.MED),
-                detail=f"{f.detail} The run went on: every rank recorded steps after it (to step {a.last_step}), "
-                "so this was a stall of about that length, not a hang (TIMING.STALL sizes it).",
+                detail=f"{f.detail} The run went on: every rank completed that step (the run reached step "
+                f"{a.last_step}), so this was a stall of about that length, not a hang (TIMING.STALL sizes it).",
             )
         out.append(f)
     return out
