@@ -28,7 +28,13 @@ from .context import Segment
 from .coordinator import DISABLED_KEY, STORE_PREFIX, default_store, dist_alive
 from .findings import Finding
 from .signals import SigtermChain
-from .watchdog import AUTO_MIN_S, AUTO_STEP_FACTOR, AUTO_WARMUP_S, Watchdog  # now: it binds the clocks early
+from .watchdog import (
+    AUTO_MIN_S,
+    AUTO_STEP_FACTOR,
+    AUTO_WARMUP_S,
+    Watchdog,
+    position,
+)  # now: it binds the clocks early
 
 if TYPE_CHECKING:
     from .scope import Scope
@@ -186,7 +192,7 @@ class RunSession:
     def _on_sigterm(self) -> None:
         if self.ingest is not None:  # rank 0: what the other ranks sent is written before the process ends
             self.ingest.drain(HANG_DRAIN_S)
-        where = self._watchdog.whereabouts() if self._watchdog is not None else None
+        where = self._watchdog.whereabouts() if self._watchdog is not None else position(self.scope.recorder)
         self.flush_own_rows("SIGTERM" + (f" while {where}" if where else ""))
 
     def flush_own_rows(self, reason: str) -> None:

@@ -285,9 +285,20 @@ def _ordinal(n: int) -> str:
 
 
 def _where(beat: dict[str, Any] | None) -> str:
-    if beat is None:
-        return "sent no heartbeat (dead or never started)"
+    if (
+        beat is None
+    ):  # (its watchdog thread never beat: a Python thread cannot while native code holds the GIL)
+        return "sent no heartbeat (dead, not started, or stuck in native code that holds the GIL)"
     return f"is at step {_label(beat)} in `{beat['phase']}` for {float(beat['idle_s']):.0f} s"
+
+
+def position(recorder: StepRecorder) -> str | None:
+    """Where the training thread is, from the recorder alone ("at step 30 in `forward`"): what a SIGTERM
+    interrupted where no watchdog runs (hang_timeout=None). None before the first step. Reads only."""
+    (steps, _, _), last = recorder.progress()
+    if last is None:
+        return None
+    return f"at step {steps + recorder.step_origin} in `{_PHASE_OF_MARK.get(Mark(last), 'other')}`"
 
 
 def _label(beat: dict[str, Any]) -> int:

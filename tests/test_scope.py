@@ -379,9 +379,10 @@ def test_sigterm_leaves_the_ungathered_steps_behind_and_still_ends_the_process(t
     assert summary["run"]["rank_ends"] == [{"rank": 0, "last_step": 79, "reason": "SIGTERM"}]
 
 
-def test_a_sigterm_says_where_a_stuck_rank_was(tmp_path):
+@pytest.mark.parametrize("hang_timeout", [600, None])
+def test_a_sigterm_says_where_a_stuck_rank_was(tmp_path, hang_timeout):
     # The launcher's SIGTERM (a job timeout) ends a rank stuck in its forward before any hang_timeout: the
-    # run says where it was and for how long.
+    # run says where it was and for how long (without a watchdog, where only).
     (tmp_path / "job.py").write_text(
         textwrap.dedent(f"""
         import sys, time, torch
@@ -393,7 +394,7 @@ def test_a_sigterm_says_where_a_stuck_rank_was(tmp_path):
                     print("stuck", flush=True); time.sleep(600)
                 return super().forward(x)
         model = Stuck(4, 1); opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        scope = Scope({str(tmp_path / "run")!r}, console=False, hang_timeout=600, interval=50)
+        scope = Scope({str(tmp_path / "run")!r}, console=False, hang_timeout={hang_timeout}, interval=50)
         scope.watch(model, opt)
         for step in range(1, 100):
             model.step = step
@@ -410,7 +411,8 @@ def test_a_sigterm_says_where_a_stuck_rank_was(tmp_path):
         proc.kill()
     run = load_run(tmp_path / "run")
     (end,) = summarize(run.arrays, run.context).to_dict()["run"]["rank_ends"]
-    assert end["last_step"] == 29 and end["reason"].startswith("SIGTERM while at step 30 in `forward` for ")
+    where = "SIGTERM while at step 30 in `forward`" + (" for " if hang_timeout else "")
+    assert end["last_step"] == 29 and end["reason"].startswith(where), end
 
 
 def test_a_flush_cut_short_by_a_second_sigterm_is_done_by_the_next_caller(tmp_path):
