@@ -30,9 +30,7 @@ class RunArrays:
     grad_syncs: np.ndarray  # (S, R)
     micro_batches: np.ndarray  # (S, R)
     batch_fp: np.ndarray  # (S, R) hash of the step's first batch on that rank (every 8th step), else NaN
-    optimizer_steps: (
-        np.ndarray
-    )  # (S, R) optimizer.step() calls in the step; NaN in runs from before the column
+    optimizer_steps: np.ndarray  # (S, R) optimizer.step() calls in the step; NaN in runs before the column
     segment: np.ndarray  # (S, R) float64, NaN where missing
     counted: np.ndarray  # (S,) bool: step is past the warm-up of its segment (statistics use these)
     replayed: np.ndarray = field(default_factory=lambda: np.empty((0, NCOLS)))  # rows superseded by a resume

@@ -105,9 +105,8 @@ class RunReporter:
         from .summary import summarize
 
         run = load_run(self.run_dir)
-        ended = dataclasses.replace(
-            run.context, ended=True
-        )  # (this is its end: the summary is written below)
+        # This is the run's end (the summary is written below): it has ended.
+        ended = dataclasses.replace(run.context, ended=True)
         summary = summarize(run.arrays, ended, extra_findings=tuple(run.extra_findings))
         with open(os.devnull, "w") as devnull:
             text = Console(record=True, width=110, file=devnull, color_system=None)

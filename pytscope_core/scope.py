@@ -134,9 +134,7 @@ class Scope:
                 if self.hooks.is_ddp:
                     self.replicated_model = model
             for opt in optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]:
-                if opt is not None and all(
-                    o is not opt for o in self._watched
-                ):  # each step would count twice
+                if opt is not None and all(o is not opt for o in self._watched):  # (as a model)
                     self._watched.append(opt)
                     self.hooks.watch_optimizer(opt, pre_hook=optimizer_pre_hook)
             if loader is not None:

@@ -28,13 +28,9 @@ from .context import Segment
 from .coordinator import DISABLED_KEY, STORE_PREFIX, default_store, dist_alive
 from .findings import Finding
 from .signals import SigtermChain
-from .watchdog import (
-    AUTO_MIN_S,
-    AUTO_STEP_FACTOR,
-    AUTO_WARMUP_S,
-    Watchdog,
-    position,
-)  # now: it binds the clocks early
+
+# (imported now: it binds the clocks early)
+from .watchdog import AUTO_MIN_S, AUTO_STEP_FACTOR, AUTO_WARMUP_S, Watchdog, position
 
 if TYPE_CHECKING:
     from .scope import Scope

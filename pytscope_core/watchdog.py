@@ -285,9 +285,7 @@ def _ordinal(n: int) -> str:
 
 
 def _where(beat: dict[str, Any] | None) -> str:
-    if (
-        beat is None
-    ):  # (its watchdog thread never beat: a Python thread cannot while native code holds the GIL)
+    if beat is None:  # never beat: a Python thread cannot while native code holds the GIL
         return "sent no heartbeat (dead, not started, or stuck in native code that holds the GIL)"
     return f"is at step {_label(beat)} in `{beat['phase']}` for {float(beat['idle_s']):.0f} s"
 

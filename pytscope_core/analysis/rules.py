@@ -464,9 +464,8 @@ def replica_drift(a: RunAnalysis) -> list[Finding]:
     if 2 * first_ranks.size >= np.count_nonzero(np.isfinite(sums[first])):  # (2 ranks: no majority)
         which, who = "the ranks' parameter checksums differ", " No majority singles a rank out"
         div = a.distributed.count_divergence
-        if div is not None and div.step <= int(
-            steps[first]
-        ):  # the rank whose counts departed first is likely
+        # The rank whose counts departed first, before the drift, is the likely one.
+        if div is not None and div.step <= int(steps[first]):
             named = f"rank{'s' if len(div.ranks) > 1 else ''} {format_ranks(div.ranks)}"
             who += f"; DIST.DESYNC names {named} at step {div.step}, before it"
             ranks = div.ranks
@@ -502,12 +501,13 @@ def hang(a: RunAnalysis) -> list[Finding]:
         f = Finding.from_dict(report)
         step = f.steps[0] if f.steps else None
         ended = [e.last_step for e in a.rank_ends if e.last_step is not None]
+        # A hang's step is the one the waiting ranks were in: every rank completed it, so the run went on.
         if (
             step is not None
             and a.last_step is not None
             and a.last_step >= step
             and min(ended, default=a.last_step) >= step
-        ):  # (the step a hang is at is the one the waiting ranks were in: they completed it)
+        ):
             f = dataclasses.replace(
                 f,
                 severity=min(f.severity, Severity.MED),
