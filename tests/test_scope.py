@@ -376,7 +376,8 @@ def test_sigterm_leaves_the_ungathered_steps_behind_and_still_ends_the_process(t
     # Gathered up to 50, then 51-79 from its own file: step 79 finished its optimizer step before the signal.
     assert run.arrays.steps.tolist() == list(range(1, 80))
     summary = summarize(run.arrays, run.context).to_dict()
-    assert summary["run"]["rank_ends"] == [{"rank": 0, "last_step": 79, "reason": "SIGTERM"}]
+    reason = "SIGTERM while at step 79 in `after the optimizer step`"  # (where it found the rank)
+    assert summary["run"]["rank_ends"] == [{"rank": 0, "last_step": 79, "reason": reason}]
 
 
 @pytest.mark.parametrize("hang_timeout", [600, None])
