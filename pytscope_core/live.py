@@ -186,7 +186,7 @@ class LiveDiagnosis:
             fresh = [f for f in self.findings if self._reported.get(f.key, Severity.LOW - 1) < f.severity]
             for f in fresh:
                 self._reported[f.key] = f.severity
-            self._diagnosed = {f.key: f for f in findings if f.key in self._reported}
+            self._diagnosed = {f.key: f for f in findings}
             if fresh:
                 self.reporter.findings(fresh, step)
             if gone:

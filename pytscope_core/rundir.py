@@ -133,11 +133,16 @@ def run_columns(path: Path) -> list[str]:
     """The column layout of the run's rows (`meta.json`): this version's, unless the run began under one
     whose rows had other columns (rows are always written, and read, in the run's own layout)."""
     try:
-        columns = json.loads((path / "meta.json").read_text()).get("columns")
+        return _columns_of(json.loads((path / "meta.json").read_text())) or list(COLUMNS)
     except (OSError, ValueError, AttributeError):
         return list(COLUMNS)
-    ok = isinstance(columns, list) and columns and all(isinstance(c, str) for c in columns)
-    return list(columns) if ok else list(COLUMNS)
+
+
+def _columns_of(meta: Any) -> list[str] | None:
+    """`meta`'s column names, where they can be a row layout (strings, "step" among them), else None."""
+    columns = meta.get("columns")
+    ok = isinstance(columns, list) and all(isinstance(c, str) for c in columns) and "step" in columns
+    return list(columns) if ok else None
 
 
 def in_layout(rows: np.ndarray, columns: list[str]) -> np.ndarray:
@@ -265,9 +270,7 @@ def load_run(path: str | os.PathLike[str], warmup: int | None = None) -> Run:
             problems.append("meta.json is unreadable; defaults assumed")
     if not meta and not (root / "steps.f64").exists():
         raise RunDirError(f"{root}: not a pytscope run directory (no meta.json or steps.f64)")
-    columns = meta.get("columns")
-    if not (isinstance(columns, list) and all(isinstance(c, str) for c in columns) and "step" in columns):
-        columns = None
+    columns = _columns_of(meta)
     rows = _read_or_note(lambda: read_rows(root, columns), "steps.f64", problems, np.empty((0, NCOLS)))
     if not (root / "steps.f64").exists():
         problems.append("steps.f64 is missing: no gathered step records (only the ranks' own files, if any)")
