@@ -239,8 +239,9 @@ def _distributed_timing(arrays: RunArrays, sel: np.ndarray) -> DistributedTiming
     critical = np.bincount(local.argmax(axis=1), minlength=r) / n
     if r >= 2:
         others = stats.median_of_others(local)
+        rows = stats.median_sample(n)
         with np.errstate(all="ignore"):
-            excess = stats.median_over_steps(local / others - 1.0)
+            excess = stats.median_over_steps(local[rows] / others[rows] - 1.0)
         slower = np.count_nonzero(local > others, axis=0)
         del others
     else:
@@ -374,8 +375,8 @@ def _straggler_cost(local: np.ndarray, slow: np.ndarray) -> tuple[float, float]:
     """
     if not slow.any() or slow.all():
         return 0.0, math.nan
-    slowest_bad = local[:, slow].max(axis=1)
-    slowest_good = local[:, ~slow].max(axis=1)
+    slowest_bad = np.max(local, axis=1, where=slow, initial=-np.inf)  # (no copy of the ranks' columns)
+    slowest_good = np.max(local, axis=1, where=~slow, initial=-np.inf)
     lost = np.clip(slowest_bad - slowest_good, 0.0, None)
     return float(lost.mean(dtype=np.float64)), float(np.median(slowest_good))
 

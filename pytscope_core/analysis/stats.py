@@ -26,17 +26,22 @@ MEDIAN_MAX_STEPS = 4096
 costs 0.3 s each, and the sampling error of a median of 4,096 steps is far below step-to-step noise."""
 
 
+def median_sample(steps: int) -> slice:
+    """The evenly spaced steps (at most MEDIAN_MAX_STEPS of `steps`) that per-rank medians are taken over:
+    slice a derived array's operands with it, and the steps left out are never computed."""
+    return slice(None, None, max(1, -(-steps // MEDIAN_MAX_STEPS)))
+
+
 def median_over_steps(x: np.ndarray) -> np.ndarray:
     """Per-rank median of a (steps x ranks) array, ignoring NaN; NaN for a rank with no value."""
     if x.shape[0] == 0:
         return np.full(x.shape[1:], np.nan)
-    if x.shape[0] > MEDIAN_MAX_STEPS:
-        x = x[:: -(-x.shape[0] // MEDIAN_MAX_STEPS)]
+    x = np.ascontiguousarray(x[median_sample(x.shape[0])].T)  # each rank's steps adjacent: a faster partition
     if not has_gaps(x):
-        return np.asarray(np.median(x, axis=0), dtype=np.float64)
+        return np.asarray(np.median(x, axis=1), dtype=np.float64)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
-        return np.asarray(np.nanmedian(x, axis=0), dtype=np.float64)
+        return np.asarray(np.nanmedian(x, axis=1), dtype=np.float64)
 
 
 def mean_over_ranks(x: np.ndarray) -> np.ndarray:
