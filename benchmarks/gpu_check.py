@@ -3,11 +3,14 @@
 On the GPU machine, from the repository root (`PYTHONPATH=.` makes an install unnecessary; torch with CUDA,
 numpy, rich and lightning must be there):
 
-    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/gpu_check.py --out gpu_check.json
+    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/gpu_check.py --out gpu_check.json --work gpu_check_work
 
-(through this project's device tool: `--out $OUT/gpu_check.json`, timeout_s 420.) Expected runtime on one H200:
-about 2.5-3 minutes, at most 5 (`--budget-s`, default 290: no check starts after it, and the ones left say
-so); the JSON is rewritten after every check, so a run cut short keeps what finished. Rerun some checks with
+(through this project's device tool: `--out $OUT/gpu_check.json --work $OUT/gpu_check_work`, timeout_s 420.)
+Expected runtime on one H200: about 2.5-3 minutes, at most 5 (`--budget-s`, default 290: no check starts after
+it, and the ones left say so); the JSON is rewritten after every check, so a run cut short keeps what finished.
+`--work` keeps every run directory and worker log (a temporary folder otherwise), so a check that failed can
+be read afterwards with `pytscope report`; a check still running after `--stacks-after-s` (400) has every
+thread's stack printed and the process ended, so a hang shows where. Rerun some checks with
 `--checks torch,nccl` (names below). Anywhere, as a smoke test (without CUDA the CUDA-only checks say
 skipped and why; about 20 s on 2 CPU cores):
 
@@ -50,6 +53,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import faulthandler
 import json
 import logging
 import math
@@ -280,19 +284,20 @@ def calibrate(ctx: Ctx, base: Size, name: str, target_ms: float) -> Size:
     """The batch size at which one plain step (synchronized) takes about `target_ms`."""
     import torch
 
-    batch, ms = base.batch, math.nan
+    batch, measured, ms = base.batch, base.batch, math.nan
     for _ in range(4):
         size = dataclasses.replace(base, batch=batch)
         model, opt, xs, ys = make_job(size, ctx.device)
         times = run_steps(model, opt, Batches(xs, ys, 3 + (5 if ctx.quick else 8)), ctx.device, ctx.bf16)
-        ms = statistics.median(times[3:])
+        measured, ms = batch, statistics.median(times[3:])
         del model, opt, xs, ys
         if ctx.cuda:
             torch.cuda.empty_cache()
         if abs(ms / target_ms - 1) < 0.1:
             break
         batch = int(min(max(batch * target_ms / ms, 16), 1 << 18))
-    return dataclasses.replace(base, name=name, batch=batch, target_ms=target_ms, measured_ms=ms)
+    # The last size measured, not the next try's (the step time printed and used is that size's).
+    return dataclasses.replace(base, name=name, batch=measured, target_ms=target_ms, measured_ms=ms)
 
 
 def host_peak_rss() -> float:
@@ -763,6 +768,9 @@ def worker_command(kind: str, rank: int, world: int, port: int, spec_path: Path)
 
 def child_env(ctx: Ctx, port: int) -> dict[str, str]:
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "PYTHONUNBUFFERED": "1"}
+    # One host: loopback, whatever the hostname resolves to (an isolated machine may have no other route).
+    env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    env.setdefault("NCCL_SOCKET_IFNAME", "lo")
     if not ctx.cuda:
         env["OMP_NUM_THREADS"] = "1"
     return env
@@ -786,7 +794,9 @@ def check_ddp(ctx: Ctx, delay: str) -> Check:
     )
     # Small models (gradients well under 1 MB: a short transfer) and a delay that dominates the step. On 2
     # shared CPU cores other processes inflate rank 0's own work by several ms: a 5 ms spin was missed once.
-    delay_ms = 10.0 if ctx.cuda else 12.0
+    # On one shared GPU the two ranks' kernels take turns in time slices: rank 0's may wait behind rank 1's
+    # delay for up to a slice, so the delay is several slices long.
+    delay_ms = 20.0 if ctx.cuda else 12.0
     out = ctx.tmp / f"ddp-{delay}"
     out.mkdir(parents=True, exist_ok=True)
     spec = dict(
@@ -1019,6 +1029,12 @@ def worker_nccl(rank: int, world: int, port: int, spec: dict[str, Any]) -> None:
         flops = count_flops(model, xs[0], ys[0], "cuda", bf16)
         ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[0])
         run_steps(ddp, opt, Batches(xs, ys, 20), "cuda", bf16, sync_each=False)  # NCCL and allocator warm-up
+        # pytscope's own one-offs (its imports, the first gather and diagnosis) outside the timed blocks.
+        warm = Batches(xs, ys, 2 * spec["interval"])
+        scope = Scope(out / "warm-up", interval=spec["interval"], console=False, flops_per_step=flops)
+        scope.watch(ddp, opt, warm)
+        run_steps(ddp, opt, warm, "cuda", bf16, scope, sync_each=False)
+        scope.finish()
         pairs: list[tuple[float, float]] = []
         errors: list[str] = []
         last_run: Path | None = None
@@ -1190,6 +1206,15 @@ def main(argv: list[str] | None = None) -> int:
         "--budget-s", type=float, default=None, help="no check starts after this (290; quick 150)"
     )
     parser.add_argument("--cpu", action="store_true", help="run as if there were no GPU")
+    parser.add_argument(
+        "--work", default=None, help="keep run directories and worker logs here (default: a temporary folder)"
+    )
+    parser.add_argument(
+        "--stacks-after-s",
+        type=float,
+        default=400.0,
+        help="print every thread's stack and exit 1 if still running after this (a hang shows where)",
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--world", type=int, default=1, help=argparse.SUPPRESS)
@@ -1205,6 +1230,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown checks {unknown}; choose from {', '.join(CHECKS)}")
     t_start = time.monotonic()
+    faulthandler.dump_traceback_later(args.stacks_after_s, exit=True)
     warnings.filterwarnings("ignore")
     import torch
 
@@ -1212,7 +1238,13 @@ def main(argv: list[str] | None = None) -> int:
     if not cuda:
         torch.set_num_threads(1)  # as the overhead benchmark: steadier timing on shared cores
     budget = args.budget_s if args.budget_s is not None else (150.0 if args.quick else 290.0)
-    with tempfile.TemporaryDirectory(prefix="pytscope-gpu-check-") as tmp:
+    if args.work:
+        Path(args.work).mkdir(parents=True, exist_ok=True)
+    with (
+        contextlib.nullcontext(args.work)
+        if args.work
+        else tempfile.TemporaryDirectory(prefix="pytscope-gpu-check-") as tmp
+    ):
         ctx = Ctx(
             device="cuda" if cuda else "cpu",
             device_name=torch.cuda.get_device_name(0) if cuda else "cpu",
@@ -1250,12 +1282,16 @@ def main(argv: list[str] | None = None) -> int:
             Path(args.out).write_text(json.dumps(plain(result), indent=1, allow_nan=False))
             return result
 
+        write(done=False)  # the environment and the sizes, even if the first check never ends
         for name in wanted:
             print(f"  {name} ...", end=" ", flush=True)
-            checks.append(run_check(name, ctx))
-            print(f"{checks[-1].status} ({checks[-1].seconds:.1f} s)", flush=True)
+            c = run_check(name, ctx)
+            checks.append(c)
+            why = f": {c.reason[:300]}" if c.status == "fail" else ""  # the output's tail alone says why
+            print(f"{c.status} ({c.seconds:.1f} s){why}", flush=True)
             write(done=False)
         result = write(done=True)
+    faulthandler.cancel_dump_traceback_later()
     render(checks, f"{ctx.device_name}{', quick' if ctx.quick else ''}, {result['seconds']:.0f} s")
     print(f"results: {args.out}")
     return 1 if result["failed"] else 0

@@ -17,6 +17,7 @@ import numpy as np
 
 SAMPLES = 8  # values per fingerprint: enough that different data never agree by chance
 _POSITIONS: dict[int, np.ndarray] = {}  # numel -> sampled flat positions (cached: the hot path reuses them)
+_DEVICE_POSITIONS: dict[tuple[int, Any], Any] = {}  # (numel, device) -> the same, as a tensor on that device
 _HASH_BITS = 48  # fits a float64 column exactly
 
 
@@ -55,10 +56,8 @@ def fingerprint(tensor: Any) -> Any:
             return tensor.shape, tensor.numpy().reshape(-1)[positions]
         except (TypeError, RuntimeError):  # needs grad, or a dtype numpy lacks (bf16): torch's path below
             pass
-    import torch
-
     flat = tensor.detach().reshape(-1)
-    return tensor.shape, flat[torch.from_numpy(positions).to(flat.device)].float()
+    return tensor.shape, flat[_device_positions(n, flat.device, positions)].float()
 
 
 def _positions(n: int) -> np.ndarray:
@@ -66,6 +65,19 @@ def _positions(n: int) -> np.ndarray:
     if positions is None:
         positions = _POSITIONS.setdefault(n, np.linspace(0, n - 1, SAMPLES).astype(np.int64))
     return positions
+
+
+def _device_positions(n: int, device: Any, positions: np.ndarray) -> Any:
+    """`positions` as a tensor on `device`, made once per size and device. The copy is asynchronous (a
+    blocking host-to-device copy would wait for every kernel queued before it); the numpy array it reads
+    stays alive in `_POSITIONS`."""
+    key = (n, device)
+    found = _DEVICE_POSITIONS.get(key)
+    if found is None:
+        import torch
+
+        found = _DEVICE_POSITIONS.setdefault(key, torch.from_numpy(positions).to(device, non_blocking=True))
+    return found
 
 
 def resolve_fingerprints(prints: list[Any]) -> list[float]:

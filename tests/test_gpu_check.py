@@ -21,7 +21,7 @@ pytestmark = pytest.mark.multiproc
 def test_quick_run_reports_every_check(tmp_path: Path) -> None:
     out = tmp_path / "result.json"
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--quick", "--out", str(out)],
+        [sys.executable, str(SCRIPT), "--quick", "--out", str(out), "--work", str(tmp_path / "work")],
         cwd=tmp_path,
         capture_output=True,
         text=True,
@@ -52,3 +52,8 @@ def test_quick_run_reports_every_check(tmp_path: Path) -> None:
     assert checks["ddp_host_delay"]["numbers"]["stragglers"] == [1]
     for name in CHECKS:
         assert name in proc.stdout  # one table row per check
+    # --work keeps each check's run directory, to be read afterwards when a check fails.
+    from pytscope_core.rundir import load_run
+
+    assert load_run(tmp_path / "work" / "ddp-host" / "run").arrays.world_size == 2
+    assert (tmp_path / "work" / "torch" / "summary.json").exists()

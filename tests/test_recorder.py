@@ -144,6 +144,29 @@ def test_a_loader_of_numpy_arrays_is_sized_and_fingerprinted():
     assert math.isfinite(rows[0, COL["batch_fp"]]) and math.isnan(rows[1, COL["batch_fp"]])
 
 
+def test_a_batch_off_numpys_path_is_fingerprinted_without_a_blocking_copy(monkeypatch):
+    """The path device tensors take: the sampled positions go to the device once per size, asynchronously (a
+    blocking copy would wait for the kernels queued before it every 8th step), and the fingerprint equals
+    the one numpy's path takes of the same values."""
+    import torch
+
+    from pytscope_core.batches import fingerprint, resolve_fingerprints
+
+    copies: list[bool] = []
+    to = torch.Tensor.to
+
+    def recording_to(self, *args, **kwargs):
+        copies.append(kwargs.get("non_blocking", False))
+        return to(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", recording_to)
+    batch = torch.arange(1001.0, requires_grad=True)  # numpy cannot read it: torch's path, as on a GPU
+    prints = [fingerprint(batch), fingerprint(batch * 2), fingerprint(batch.detach())]
+    assert copies == [True]
+    device_path, doubled, numpy_path = resolve_fingerprints(prints)
+    assert device_path == numpy_path != doubled
+
+
 def test_logged_values_are_read_as_numbers_or_not_at_all():
     import torch
 
