@@ -21,6 +21,7 @@ import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -157,17 +158,25 @@ def in_layout(rows: np.ndarray, columns: list[str]) -> np.ndarray:
 
 
 def read_rank_files(
-    path: Path, columns: list[str] | None, known: np.ndarray
+    path: Path, columns: list[str] | None, known: np.ndarray, problems: list[str]
 ) -> tuple[np.ndarray, dict[int, str]]:
     """Rows the ranks wrote themselves that are not already in `known` (the gathered rows), and each such
     rank's last stated reason, unless its records go on past the step it wrote (a hang reported with
-    on_hang="report" that cleared: the reason did not end the rank's records)."""
+    on_hang="report" that cleared: the reason did not end the rank's records). A file that cannot be read is
+    left out, said in `problems`; a folder that cannot be listed raises OSError."""
     folder = path / "ranks"
     if not folder.is_dir():
         if folder.exists():
             raise NotADirectoryError(errno.ENOTDIR, "not a folder")
         return np.empty((0, NCOLS)), {}
-    parts = [read_rows(folder, columns, name=f.name) for f in sorted(folder.glob("rank*.f64")) if f.is_file()]
+    names = sorted(os.listdir(folder))  # (unlike glob, says when the folder cannot be listed)
+    parts = [
+        _read_or_note(
+            partial(read_rows, folder, columns, name=n), f"ranks/{n}", problems, np.empty((0, NCOLS))
+        )
+        for n in names
+        if n.startswith("rank") and n.endswith(".f64") and (folder / n).is_file()
+    ]
     rows = np.concatenate(parts) if parts else np.empty((0, NCOLS))
     if rows.size:  # keep each (rank, segment, step) once, and only if no gather brought it already
         key_cols = [COLUMNS.index(c) for c in ("rank", "segment", "step")]
@@ -179,8 +188,9 @@ def read_rank_files(
         rows = rows[keep]
     every = np.concatenate([known, rows])
     reasons: dict[int, str] = {}
-    for f in sorted(f for f in folder.glob("rank*.jsonl") if f.is_file()):
-        for line in f.read_text(errors="replace").splitlines():
+    for n in (n for n in names if n.startswith("rank") and n.endswith(".jsonl") and (folder / n).is_file()):
+        text = _read_or_note(partial((folder / n).read_text, errors="replace"), f"ranks/{n}", problems, "")
+        for line in text.splitlines():
             try:
                 entry = json.loads(line)
                 rank, last = int(entry["rank"]), entry.get("last_step")
@@ -189,7 +199,7 @@ def read_rank_files(
                     reasons.pop(rank, None)
                     continue
                 reasons[rank] = str(entry["reason"])
-            except (ValueError, KeyError, TypeError):
+            except (ValueError, KeyError, TypeError, RecursionError):
                 continue
     return rows, reasons
 
@@ -234,7 +244,7 @@ def read_events(path: Path) -> tuple[list[dict[str, Any]], int]:
                 continue
             try:
                 obj = json.loads(line)
-            except json.JSONDecodeError:
+            except (ValueError, RecursionError):  # (a torn line; nesting too deep to decode)
                 bad += 1
                 continue
             if isinstance(obj, dict):
@@ -252,11 +262,20 @@ def next_segment(path: Path) -> int:
 
 
 def load_run(path: str | os.PathLike[str], warmup: int | None = None) -> Run:
+    """The run in `path`, read as far as it can be: what cannot be read is left out and said in
+    `Run.problems`. RunDirError when it is not a run directory or cannot be read at all."""
     root = Path(path)
-    if not root.exists():
-        raise RunDirError(f"{root}: no such run directory")
-    if not root.is_dir():
-        raise RunDirError(f"{root}: not a directory")
+    try:
+        if not root.exists():
+            raise RunDirError(f"{root}: no such run directory")
+        if not root.is_dir():
+            raise RunDirError(f"{root}: not a directory")
+        return _load_run(root, warmup)
+    except OSError as exc:  # e.g. no permission to list the folder or to look at its files
+        raise RunDirError(f"{root}: cannot be read ({exc.strerror or type(exc).__name__})") from None
+
+
+def _load_run(root: Path, warmup: int | None) -> Run:
     problems: list[str] = []
     meta: dict[str, Any] = {}
     meta_path = root / "meta.json"
@@ -266,26 +285,15 @@ def load_run(path: str | os.PathLike[str], warmup: int | None = None) -> Run:
             if not isinstance(loaded, dict):
                 raise ValueError("not an object")
             meta = loaded
-        except (ValueError, UnicodeDecodeError, OSError):
+        except (ValueError, UnicodeDecodeError, RecursionError, OSError):
             problems.append("meta.json is unreadable; defaults assumed")
+    if meta and meta.get("format") != FORMAT:
+        found = meta.get("format")
+        why = f"its format is {found!r}, not {FORMAT!r}" if found else "its meta.json is not pytscope's"
+        raise RunDirError(f"{root}: not a pytscope run directory ({why})")
     if not meta and not (root / "steps.f64").exists():
         raise RunDirError(f"{root}: not a pytscope run directory (no meta.json or steps.f64)")
     columns = _columns_of(meta)
-    rows = _read_or_note(lambda: read_rows(root, columns), "steps.f64", problems, np.empty((0, NCOLS)))
-    if not (root / "steps.f64").exists():
-        problems.append("steps.f64 is missing: no gathered step records (only the ranks' own files, if any)")
-    no_rank_files: tuple[np.ndarray, dict[int, str]] = (np.empty((0, NCOLS)), {})
-    own_rows, rank_reasons = _read_or_note(
-        lambda: read_rank_files(root, columns, rows), "ranks/", problems, no_rank_files
-    )
-    if own_rows.size:
-        rows = np.concatenate([rows, own_rows])
-    rows, corrupt = sound_rows(rows)
-    if corrupt:
-        problems.append(f"{corrupt} corrupt row(s) of step records dropped")
-    torn = _torn(root / "steps.f64", len(columns or COLUMNS))
-    if torn:
-        problems.append("a torn last row of step records dropped (the process was killed while writing it)")
     no_events: tuple[list[dict[str, Any]], int] = ([], 0)
     events, bad_lines = _read_or_note(lambda: read_events(root), "events.jsonl", problems, no_events)
     for e in events:  # settings learnt during the run (e.g. measured FLOPs) arrive as "meta" events
@@ -296,6 +304,21 @@ def load_run(path: str | os.PathLike[str], warmup: int | None = None) -> Run:
     for key, value in _bad_settings(meta):
         problems.append(f"run setting {key}={value!r} is not valid; its default assumed")
         del meta[key]
+    rows = _read_or_note(lambda: read_rows(root, columns), "steps.f64", problems, np.empty((0, NCOLS)))
+    if not (root / "steps.f64").exists():
+        problems.append("steps.f64 is missing: no gathered step records (only the ranks' own files, if any)")
+    no_rank_files: tuple[np.ndarray, dict[int, str]] = (np.empty((0, NCOLS)), {})
+    own_rows, rank_reasons = _read_or_note(
+        lambda: read_rank_files(root, columns, rows, problems), "ranks/", problems, no_rank_files
+    )
+    if own_rows.size:
+        rows = np.concatenate([rows, own_rows])
+    rows, corrupt = sound_rows(rows, _largest_world(meta, events))
+    if corrupt:
+        problems.append(f"{corrupt} corrupt row(s) of step records dropped")
+    torn = _torn(root / "steps.f64", len(columns or COLUMNS))
+    if torn:
+        problems.append("a torn last row of step records dropped (the process was killed while writing it)")
     w = int(meta.get("warmup", 5)) if warmup is None else warmup
     arrays = RunArrays.from_rows(rows, warmup=w)
     context = _context(meta, events, arrays, w, problems)
@@ -377,9 +400,17 @@ def _bad_settings(meta: dict[str, Any]) -> list[tuple[str, Any]]:
     return bad
 
 
-def sound_rows(rows: np.ndarray) -> tuple[np.ndarray, int]:
-    """The rows whose keys and times are possible (whole rank, segment and step numbers in range, a start
-    time and durations that are finite and not negative), and how many were not: a damaged file's bytes."""
+def _largest_world(meta: dict[str, Any], events: list[dict[str, Any]]) -> int:
+    """The most ranks any launch of the run had (a resume may change the world size); 2**24 when unknown."""
+    sizes = [meta.get("world_size")] + [e.get("world_size") for e in events if e.get("type") == "segment"]
+    known = [n for n in sizes if isinstance(n, int) and not isinstance(n, bool) and n >= 1]
+    return max(known, default=2**24)
+
+
+def sound_rows(rows: np.ndarray, world: int = 2**24) -> tuple[np.ndarray, int]:
+    """The rows whose keys and times are possible (whole rank numbers below `world`, segment and step
+    numbers in range, a start time and durations that are finite and not negative), and how many were not: a
+    damaged file's bytes."""
     if not rows.size:
         return rows, 0
     key = rows[:, [COL["rank"], COL["segment"], COL["step"]]]
@@ -389,7 +420,7 @@ def sound_rows(rows: np.ndarray) -> tuple[np.ndarray, int]:
             np.isfinite(key).all(axis=1)
             & (key == np.round(key)).all(axis=1)
             & (key[:, 0] >= 0)
-            & (key[:, 0] < 2**24)
+            & (key[:, 0] < min(world, 2**24))
             & (key[:, 1] >= 0)
             & (key[:, 1] < 2**24)
             & (key[:, 2] >= 0)  # steps count from 0 or 1
@@ -412,6 +443,7 @@ def _context(
     segments, counts, replicas, hangs, errors, notes, alive = [], [], [], [], [], [], []
     unreadable: dict[str, int] = {}
     world = int(meta.get("world_size") or arrays.world_size or 1)
+    largest = _largest_world(meta, events)
     for e in events:
         kind = e.get("type")
         try:
@@ -425,20 +457,20 @@ def _context(
                     )
                 )
             elif kind == "counts_check":
-                counts.append(
-                    CountsCheck(
-                        int(e["gather"]),
-                        tuple(int(v) for v in e["steps"]),
-                        tuple(int(v) for v in e["grad_syncs"]),
-                        tuple(int(v) for v in e["micro_batches"]),
-                    )
+                check = CountsCheck(
+                    int(e["gather"]),
+                    tuple(int(v) for v in e["steps"]),
+                    tuple(int(v) for v in e["grad_syncs"]),
+                    tuple(int(v) for v in e["micro_batches"]),
                 )
+                if not len(check.steps) == len(check.grad_syncs) == len(check.micro_batches) <= largest:
+                    raise ValueError("one count per rank")
+                counts.append(check)
             elif kind == "replica_check":
-                replicas.append(
-                    ReplicaCheck(
-                        int(e["step"]), tuple(float(c) if c is not None else math.nan for c in e["checksums"])
-                    )
-                )
+                sums = tuple(float(c) if c is not None else math.nan for c in e["checksums"])
+                if len(sums) > largest:
+                    raise ValueError("one checksum per rank")
+                replicas.append(ReplicaCheck(int(e["step"]), sums))
             elif kind == "hang":
                 Finding.from_dict(e["finding"])  # a damaged report is left out, as any unreadable event
                 hangs.append(dict(e["finding"]))

@@ -119,7 +119,7 @@ def test_resumed_segment_supersedes_replayed_steps(tmp_path, capsys):
     assert data["run"]["steps"] == 200 and data["run"]["restarts"] == 1
 
 
-@pytest.mark.parametrize("make", ["missing", "file", "empty", "junk"])
+@pytest.mark.parametrize("make", ["missing", "file", "empty", "junk", "foreign", "deep"])
 def test_bad_run_directory_is_one_line_and_exit_2(tmp_path, make):
     target = tmp_path / "x"
     if make == "file":
@@ -129,6 +129,12 @@ def test_bad_run_directory_is_one_line_and_exit_2(tmp_path, make):
     elif make == "junk":
         target.mkdir()
         (target / "meta.json").write_text("{not json")
+    elif make == "foreign":  # a folder that merely holds a meta.json of some other tool
+        target.mkdir()
+        (target / "meta.json").write_text('{"name": "my dataset"}')
+    elif make == "deep":  # nested past what the JSON decoder recurses into
+        target.mkdir()
+        (target / "meta.json").write_text("[" * 100_000 + "]" * 100_000)
     proc = subprocess.run(
         [sys.executable, "-m", "pytscope_core.cli", "report", str(target)], capture_output=True, text=True
     )
@@ -178,6 +184,10 @@ def test_commands_that_cannot_write_or_have_nothing_to_show_exit_2_in_one_line(t
         ("event_entries", "1 hang event(s) could not be read"),
         ("ranks_file", "ranks/ cannot be read (not a folder)"),
         ("negative_step", "1 corrupt row(s) of step records dropped"),
+        ("rank_beyond_world", "1 corrupt row(s) of step records dropped"),
+        ("deep_event", "1 unreadable line(s) in events.jsonl skipped"),
+        ("replica_per_rank", "1 replica_check event(s) could not be read"),
+        ("counts_per_rank", "1 counts_check event(s) could not be read"),
     ],
 )
 def test_a_damaged_run_directory_still_reports_what_it_can(tmp_path, capsys, damage, note):
@@ -202,10 +212,30 @@ def test_a_damaged_run_directory_still_reports_what_it_can(tmp_path, capsys, dam
         (path / "steps.f64").unlink()
     elif damage == "ranks_file":
         (path / "ranks").write_text("not a folder of rank files")
-    elif damage == "negative_step":
+    elif damage in ("negative_step", "rank_beyond_world"):  # one flipped exponent byte makes rank 1 65536
         rows = np.fromfile(path / "steps.f64", dtype="<f8").reshape(-1, NCOLS)
-        rows[7, COL["step"]] = -1
+        rows[7, COL["step" if damage == "negative_step" else "rank"]] = (
+            -1 if damage == "negative_step" else 65536
+        )
         rows.tofile(path / "steps.f64")
+    elif damage in ("deep_event", "replica_per_rank", "counts_per_rank"):
+        line = {
+            "deep_event": "[" * 100_000 + "]" * 100_000,
+            "replica_per_rank": json.dumps(
+                {"type": "replica_check", "step": 10, "checksums": [1.0, 2.0, 3.0, 4.0]}
+            ),
+            "counts_per_rank": json.dumps(
+                {
+                    "type": "counts_check",
+                    "gather": 1,
+                    "steps": [10, 10],
+                    "grad_syncs": [10],
+                    "micro_batches": [10],
+                }
+            ),
+        }[damage]
+        with open(path / "events.jsonl", "a") as f:
+            f.write(line + "\n")
     elif damage == "row":  # random bytes over one row in the middle
         raw = bytearray((path / "steps.f64").read_bytes())
         row = NCOLS * 8
@@ -222,8 +252,10 @@ def test_a_damaged_run_directory_still_reports_what_it_can(tmp_path, capsys, dam
     assert "Traceback" not in err and "Step-time breakdown" in out
     if note is not None:
         assert f"note: {note}" in " ".join(out.split())
-    if damage == "row":
-        assert load_run(path).arrays.world_size == 2  # not a third rank made of random bytes
+    if damage in ("row", "rank_beyond_world"):
+        assert load_run(path).arrays.world_size == 2  # not a third rank made of damaged bytes
+    if damage in ("replica_per_rank", "counts_per_rank"):
+        assert "DIST." not in out  # a damaged check is no evidence of drift or desync
     assert main(["report", str(path), "--json"]) == 0
     json.loads(capsys.readouterr().out)
 
@@ -241,6 +273,42 @@ def test_a_rank_note_says_why_records_end_only_where_they_end(tmp_path):
     assert run.context.rank_notes == ()
     append_rank_rows(tmp_path / "r", 1, rows_for(steps=60)[1::2], "SIGTERM")
     assert load_run(tmp_path / "r").context.rank_notes == ((1, "SIGTERM"),)
+
+
+def test_what_cannot_be_read_is_said_and_the_rest_kept(tmp_path, monkeypatch):
+    """No permission (as a user other than root sees it): a run directory that cannot be looked into is bad
+    input, one rank's unreadable file leaves the other ranks' rows read, with a note naming it."""
+    from pathlib import Path
+
+    import pytscope_core.rundir as rundir
+    from pytscope_core.rundir import RunDirError
+
+    write_run(tmp_path / "r", steps=30)
+    for rank in (0, 1):
+        later = rows_for(steps=1, first=31)
+        append_rank_rows(tmp_path / "r", rank, later[later[:, COL["rank"]] == rank], "SIGTERM", at_step=31)
+    read_rows = rundir.read_rows
+
+    def denied(path, columns=None, name="steps.f64"):
+        if name == "rank1.f64":
+            raise PermissionError(13, "Permission denied")
+        return read_rows(path, columns, name)
+
+    monkeypatch.setattr(rundir, "read_rows", denied)
+    run = load_run(tmp_path / "r")
+    assert run.problems == ["ranks/rank1.f64 cannot be read (Permission denied); left out"]
+    assert run.arrays.n_steps == 31  # rank 0's own row of step 31 is kept
+
+    exists = Path.exists
+
+    def no_look(path):
+        if path.name == "meta.json":
+            raise PermissionError(13, "Permission denied")
+        return exists(path)
+
+    monkeypatch.setattr(Path, "exists", no_look)
+    with pytest.raises(RunDirError, match="cannot be read \\(Permission denied\\)"):
+        load_run(tmp_path / "r")
 
 
 def test_a_folder_named_like_a_rank_file_leaves_the_other_rank_files_read(tmp_path):
