@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -73,7 +74,6 @@ def cmd_report(args: argparse.Namespace) -> int:
         print(json.dumps(data, indent=1, allow_nan=False))
     else:
         from rich.markup import escape
-        from rich.text import Text
 
         from .render import render_summary
 
@@ -81,15 +81,15 @@ def cmd_report(args: argparse.Namespace) -> int:
         console.print(render_summary(summary))
         for problem in run.problems:
             console.print(f"[yellow]note:[/] {escape(problem)}")
-        if plots:
-            from .plots import write_report_plots
+    if plots:
+        from .plots import write_report_plots
 
-            try:
-                written = write_report_plots(run, plots)
-            except OSError as exc:
-                raise _cannot_write(cannot_write_plots, exc) from None
-            for path in written:
-                console.print(Text(f"wrote {path}"))
+        try:
+            written = write_report_plots(run, plots)
+        except OSError as exc:
+            raise _cannot_write(cannot_write_plots, exc) from None
+        for path in written:  # (beside JSON, on stderr: stdout stays one JSON document)
+            print(f"wrote {path}", file=sys.stderr if args.json else sys.stdout)
     if args.fail_on is not None and any(f.severity >= args.fail_on for f in summary.findings):
         return EXIT_FINDINGS
     return EXIT_OK
@@ -144,7 +144,11 @@ def _nonnegative(text: str) -> float:
 def cmd_compare(args: argparse.Namespace) -> int:
     from .compare import compare_runs, render_comparison
 
-    comparison = compare_runs(_load(args.run_a), _load(args.run_b))
+    runs = [_load(args.run_a), _load(args.run_b)]
+    for run in runs:  # (a gate would pass on a run that recorded nothing: nothing is slower)
+        if run.arrays.n_steps == 0:
+            raise UsageError(f"pytscope compare: {run.path} holds no step records yet (nothing to compare)")
+    comparison = compare_runs(*runs)
     if args.json:
         print(json.dumps(comparison.to_dict(), indent=1, allow_nan=False))
     else:
@@ -161,11 +165,16 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_scaling(args: argparse.Namespace) -> int:
-    from .scaling import render_scaling, scaling_points, write_scaling_plot
+    from .scaling import NothingToScale, render_scaling, scaling_points, write_scaling_plot
 
     if args.target_loss is not None and not math.isfinite(args.target_loss):
         raise UsageError("pytscope scaling: --target-loss must be a finite number")
-    result = scaling_points([_load(p) for p in args.run_dirs], target_loss=args.target_loss, weak=args.weak)
+    try:
+        result = scaling_points(
+            [_load(p) for p in args.run_dirs], target_loss=args.target_loss, weak=args.weak
+        )
+    except NothingToScale as exc:
+        raise UsageError(f"pytscope scaling: {exc}: nothing to scale") from None
     if args.json:
         print(json.dumps(result.to_dict(), indent=1, allow_nan=False))
     else:
@@ -335,7 +344,43 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _Stdout:
+    """Standard output that a reader who stopped reading (`pytscope report RUN | head`) does not turn into a
+    traceback: the rest of the output is dropped and the command's exit code (a `--fail-on` verdict) holds."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream, self._gone = stream, False
+
+    def write(self, text: str) -> int:
+        if not self._gone:
+            try:
+                return int(self._stream.write(text))
+            except BrokenPipeError:
+                self._reader_left()
+        return len(text)
+
+    def flush(self) -> None:
+        if not self._gone:
+            try:
+                self._stream.flush()
+            except BrokenPipeError:
+                self._reader_left()
+
+    def _reader_left(self) -> None:
+        self._gone = True
+        try:  # what is still buffered goes nowhere at exit, rather than to the closed pipe (a second error)
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, self._stream.fileno())
+            os.close(devnull)
+        except (OSError, ValueError):  # (not a real file)
+            pass
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    stdout, sys.stdout = sys.stdout, _Stdout(sys.stdout)
     try:
         args = build_parser().parse_args(argv)
         return COMMANDS[args.command](args)
@@ -344,6 +389,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         return 130
+    finally:
+        sys.stdout.flush()
+        sys.stdout = stdout
 
 
 if __name__ == "__main__":

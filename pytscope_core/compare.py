@@ -10,7 +10,7 @@ relative to A: positive step-time change means B is slower.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .analysis.timing import launch_sequence
@@ -49,10 +49,25 @@ class RankChange:
     local_ms_b: float
     straggler_a: bool
     straggler_b: bool
+    in_a: bool = True  # False: the run had no such rank (a job on fewer ranks)
+    in_b: bool = True
 
     @property
     def change_pct(self) -> float:
         return pct_change(self.local_ms_a, self.local_ms_b)
+
+    @property
+    def mark(self) -> str:
+        """The rank's straggler status, A to B ("" when it straggled in neither)."""
+        if not (self.in_a and self.in_b):
+            return f"not in {'A' if not self.in_a else 'B'}" + (
+                "; straggler" if self.straggler_a or self.straggler_b else ""
+            )
+        return {
+            (False, True): "straggler now",
+            (True, False): "no longer a straggler",
+            (True, True): "straggler",
+        }.get((self.straggler_a, self.straggler_b), "")
 
 
 @dataclass(frozen=True)
@@ -81,6 +96,9 @@ class Comparison:
     mean_ms_b: float = math.nan
     ms_per_sample_a: float = math.nan  # counted wall per sample, all ranks' samples: NaN when not recorded
     ms_per_sample_b: float = math.nan
+    severity_in_a: dict[tuple[str, tuple[int, ...]], str] = field(
+        default_factory=dict
+    )  # by key: A's severity
 
     @property
     def median_change_pct(self) -> float:
@@ -164,13 +182,18 @@ class Comparison:
                     "change_pct": r.change_pct,
                     "straggler_a": r.straggler_a,
                     "straggler_b": r.straggler_b,
+                    "in_a": r.in_a,
+                    "in_b": r.in_b,
                 }
                 for r in self.ranks
             ],
             "findings": {
                 "appeared": [f.to_dict() for f in self.appeared],
                 "disappeared": [f.to_dict() for f in self.disappeared],
-                "unchanged": [f.to_dict() for f in self.unchanged],
+                "unchanged": [
+                    {**f.to_dict(), "severity_in_a": self.severity_in_a.get(f.key, f.severity.name)}
+                    for f in self.unchanged
+                ],
             },
         }
         return dict(_plain(out))
@@ -222,6 +245,8 @@ def compare_summaries(
                 rb.local_ms if rb else math.nan,
                 bool(ra and ra.straggler),
                 bool(rb and rb.straggler),
+                ra is not None,
+                rb is not None,
             )
         )
     keys_a = {f.key for f in a.findings}
@@ -242,6 +267,7 @@ def compare_summaries(
         appeared=tuple(f for f in b.findings if f.key not in keys_a),
         disappeared=tuple(f for f in a.findings if f.key not in keys_b),
         unchanged=tuple(f for f in b.findings if f.key in keys_a),
+        severity_in_a={f.key: f.severity.name for f in a.findings if f.key in keys_b},
         comm_note_a=a.run.comm_note,
         comm_note_b=b.run.comm_note,
         launches_a=_launches(a),
@@ -362,18 +388,7 @@ def render_comparison(c: Comparison) -> RenderableType:
     for name in ("rank", "local ms A", "local ms B", "change", ""):
         ranks.add_column(name, justify="left" if name in ("", "rank") else "right")
     for r in rows:
-        mark = {
-            (False, True): "straggler now",
-            (True, False): "no longer a straggler",
-            (True, True): "straggler",
-        }
-        ranks.add_row(
-            str(r.rank),
-            _fmt(r.local_ms_a),
-            _fmt(r.local_ms_b),
-            _signed(r.change_pct),
-            mark.get((r.straggler_a, r.straggler_b), ""),
-        )
+        ranks.add_row(str(r.rank), _fmt(r.local_ms_a), _fmt(r.local_ms_b), _signed(r.change_pct), r.mark)
     parts += [Text("\nPer-rank local work", style="bold underline"), ranks]
     if omitted:
         parts.append(Text(f"... {omitted} ranks omitted (showing the {len(rows)} that changed most)"))
@@ -386,10 +401,16 @@ def render_comparison(c: Comparison) -> RenderableType:
     ):
         if items:
             parts.append(Text(f"{label}:", style=style))
-            parts.extend(Text(f"  {_finding_line(f)}") for f in items)
+            parts.extend(Text(f"  {_finding_line(f)}{_was(c, f)}") for f in items)
     if not (c.appeared or c.disappeared or c.unchanged):
         parts.append(Text("No findings in either run."))
     return Group(*parts)
+
+
+def _was(c: Comparison, f: Finding) -> str:
+    """How a finding found in both runs changed severity (B's is the one shown)."""
+    before = c.severity_in_a.get(f.key)
+    return f" (was {before} in A)" if before is not None and before != f.severity.name else ""
 
 
 def _ranks(n: int) -> str:

@@ -156,15 +156,26 @@ def _launches(run: Run) -> tuple[int, ...]:
     return launch_sequence([s.world_size for s in run.context.segments])
 
 
+class NothingToScale(ValueError):
+    """No run given has a counted step."""
+
+
 def scaling_points(runs: Sequence[Run], target_loss: float | None = None, weak: bool = False) -> Scaling:
     """One point per run and number of ranks it ran on (`by_world_size`), sorted by world size; `weak` states
     that the per-rank batch is held on purpose."""
     if not runs:
         raise ValueError("scaling needs at least one run")
     split = [(run, by_world_size(run)) for run in runs]
-    runs = [piece for _, pieces in split for piece in pieces]
-    # The segments of a point that is part of a run (empty for a whole run).
-    parts = [tuple(s.index for s in p.context.segments) if len(ps) > 1 else () for _, ps in split for p in ps]
+    # Each point with the segments it takes from its run (empty for a whole run); a point without counted
+    # steps (a run killed before its first gather) has no throughput: left out, said, and no base.
+    pieced = [
+        (p, tuple(s.index for s in p.context.segments) if len(ps) > 1 else ()) for _, ps in split for p in ps
+    ]
+    empty = [str(p.path) for p, _ in pieced if counted_work(p)[1] == 0]
+    pieced = [(p, part) for p, part in pieced if counted_work(p)[1] > 0]
+    if not pieced:
+        raise NothingToScale("no run has counted steps")
+    runs, parts = [p for p, _ in pieced], [part for _, part in pieced]
     summaries: list[Summary] = [
         summarize(r.arrays, r.context, extra_findings=tuple(r.extra_findings)) for r in runs
     ]
@@ -180,6 +191,9 @@ def scaling_points(runs: Sequence[Run], target_loss: float | None = None, weak: 
         for run, pieces in split
         if len(pieces) > 1
     ]
+    notes.extend(
+        f"{path} has no counted steps (no step records, or warm-up only): left out" for path in empty
+    )
     if base_w != 1:
         notes.append(
             f"no 1-worker run: speedup and efficiency are relative to the {base_w}-worker run "

@@ -117,13 +117,17 @@ def test_render_shows_change_and_findings(pair):
     assert "appeared:" in text and "disappeared:" in text and "DIST.STRAGGLER ranks 3" in text
 
 
-@pytest.mark.parametrize("make", ["missing", "junk"])
+@pytest.mark.parametrize("make", ["missing", "junk", "no_steps"])
 def test_bad_input_exits_2_with_one_line(pair, tmp_path, capsys, make):
+    from pytscope_core.rundir import RunWriter
+
     bad = tmp_path / "bad"
     if make == "junk":
         bad.mkdir()
         (bad / "x.bin").write_bytes(b"\x00\x01")
-    rc = main(["compare", str(pair[0]), str(bad)])
+    elif make == "no_steps":  # killed before its first gather: a regression gate must not pass on it
+        RunWriter(bad, {"world_size": 4}).close()
+    rc = main(["compare", str(pair[0]), str(bad), "--fail-on-regression", "5"])
     err = capsys.readouterr().err
     assert rc == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
@@ -168,7 +172,8 @@ def test_runs_on_different_numbers_of_ranks_point_to_scaling(tmp_path):
     run_b = write_run(tmp_path / "b", phases_of(STEPS, 4, ms))
     console = Console(file=io.StringIO(), width=200, color_system=None)
     console.print(render_comparison(compare_runs(load_run(run_a), load_run(run_b))))
-    assert "ran on 2 and 4 ranks" in console.file.getvalue()
+    text = console.file.getvalue()
+    assert "ran on 2 and 4 ranks" in text and text.count("not in A") == 2  # ranks 2 and 3
     console = Console(file=io.StringIO(), width=200, color_system=None)
     console.print(render_comparison(compare_runs(load_run(run_a), load_run(run_a))))
     assert "ranks:" not in console.file.getvalue()
@@ -186,3 +191,15 @@ def test_a_run_resumed_on_another_number_of_ranks_is_said_to_pool_its_launches(t
     assert main(["compare", str(steady), str(elastic), "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["a"]["launch_world_sizes"] is None and data["b"]["launch_world_sizes"] == [2, 1]
+
+
+def test_a_finding_in_both_runs_says_when_its_severity_changed(tmp_path, capsys):
+    ph = phases_of(STEPS, 2, {"forward": 4.0, "backward": 4.0, "comm": 0.5})
+    low = Finding("TEST.KEPT", Severity.LOW, "t", "d", "r")
+    med = Finding("TEST.KEPT", Severity.MED, "t", "d", "r")
+    a, b = write_run(tmp_path / "a", ph, findings=(low,)), write_run(tmp_path / "b", ph, findings=(med,))
+    assert main(["compare", str(a), str(b)]) == 0
+    assert "[MED] t (TEST.KEPT) (was LOW in A)" in capsys.readouterr().out
+    assert main(["compare", str(a), str(b), "--json"]) == 0
+    (kept,) = json.loads(capsys.readouterr().out)["findings"]["unchanged"]
+    assert (kept["severity"], kept["severity_in_a"]) == ("MED", "LOW")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 from runfactory import phases_of, write_run
@@ -26,6 +28,11 @@ def test_report_plots_writes_three_pngs(tmp_path, capsys):
     assert {p.name for p in out.iterdir()} == NAMES
     for name in NAMES:
         assert (out / name).read_bytes()[:8] == PNG_MAGIC and name in printed
+    # With --json the plots are written too, and said on stderr: stdout stays one JSON document.
+    assert main(["report", str(run), "--json", "--plots", str(tmp_path / "json-plots")]) == 0
+    captured = capsys.readouterr()
+    assert {p.name for p in (tmp_path / "json-plots").iterdir()} == NAMES
+    assert json.loads(captured.out)["run"]["steps"] == 300 and "wrote" in captured.err
 
 
 def test_long_many_rank_run_with_nonfinite_loss(tmp_path):

@@ -380,3 +380,18 @@ def test_a_run_without_its_end_of_run_summary_says_it_did_not_end(tmp_path, caps
     assert json.loads(capsys.readouterr().out)["run"]["ended"] is False
     (tmp_path / "summary.json").write_text("{}")  # what the end of the run writes, last
     assert load_run(tmp_path).context.ended
+
+
+@pytest.mark.parametrize("argv", [["--json"], ["--fail-on", "HIGH"]])
+def test_a_reader_that_stops_reading_gets_no_traceback_and_the_verdict_holds(tmp_path, argv):
+    """`pytscope report RUN | head`: the output's reader is gone before it is written (a closed pipe)."""
+    write_run(tmp_path / "r")  # its integration finding is HIGH
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pytscope_core.cli", "report", str(tmp_path / "r"), *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == (1 if "--fail-on" in argv else 0), err
+    assert err == ""

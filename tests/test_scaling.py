@@ -152,6 +152,21 @@ def test_bad_input_exits_2_with_one_line(tmp_path, capsys, make):
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err and str(bad) in err
 
 
+def test_a_run_without_counted_steps_is_left_out_and_changes_no_other_point(strong_runs, tmp_path, capsys):
+    """A 1-worker run killed before its first gather sorts first and has no batch sizes: it is neither the
+    base nor a reason to fall back to steps/s."""
+    from pytscope_core.rundir import RunWriter
+
+    RunWriter(tmp_path / "early", {"world_size": 1}).close()
+    whole = scaling_points([load_run(p) for p in strong_runs])
+    s = scaling_points([load_run(p) for p in [tmp_path / "early", *strong_runs]])
+    assert s.unit == "samples/s" and [p.world_size for p in s.points] == [1, 2, 4]
+    assert [p.efficiency for p in s.points] == [p.efficiency for p in whole.points]
+    assert any("early has no counted steps" in n for n in s.warnings)
+    assert main(["scaling", str(tmp_path / "early")]) == 2
+    assert "nothing to scale" in capsys.readouterr().err
+
+
 def test_bad_target_loss_exits_2(tmp_path, capsys):
     rc = main(["scaling", str(_run(tmp_path, 1, 64.0)), "--target-loss", "nan"])
     assert rc == 2 and len(capsys.readouterr().err.strip().splitlines()) == 1
