@@ -106,21 +106,21 @@ class FSDPCommTimer:
         root off nn.Module's fast path, so these cost no more than a wrapper would."""
         timing = [False]
 
-        def before(mod: Any, args: Any) -> None:
+        def before(mod: Any, args: Any, kwargs: Any) -> None:
             if self._compiling():
                 return
             timing[0] = (
                 self._recording() and not self._in_backward() and mod.training and self._grad_enabled()
             )
             if timing[0]:
-                entered(args)
+                entered(args or kwargs)  # (a model called with keywords only: `model(**batch)`)
 
         def after(mod: Any, args: Any, output: Any) -> None:
             if not self._compiling() and timing[0]:
                 timing[0] = False
                 left(mod, output)
 
-        self._handles.append(root.register_forward_pre_hook(before, prepend=True))
+        self._handles.append(root.register_forward_pre_hook(before, prepend=True, with_kwargs=True))
         self._handles.append(root.register_forward_hook(after, prepend=True))
 
     def remove(self) -> None:

@@ -118,11 +118,12 @@ class TorchHooks:
         """At the first optimizer step: a step without the watched model's training forward means the model
         was compiled after `watch` (its wrapper steps aside inside compiled code). Compiled in place, its
         compiled call is wrapped now (no FLOPs are counted once anything is compiled: `FlopEstimate.begin`);
-        compiled into a new module, which pytscope cannot see, that is said once. No step open at all: the
-        watched loader is not the one the loop iterates, and the forwards open the steps from now on."""
+        compiled into a new module, which pytscope cannot see, that is said once. A first step opened by the
+        forward, not by the watched loader: the loop iterates another loader, and the forwards open the steps
+        from now on (as they opened this one)."""
         self._forward_checked = True
         rec = self.recorder
-        if self.loader_watched and not rec.in_step:
+        if self.loader_watched and rec.opened_at != _DATA_BEGIN:  # (the forward opened the first step)
             self.loader_watched = False
             self._warn(LOADER_UNSEEN)
             return
@@ -192,7 +193,7 @@ class TorchHooks:
                 or not is_grad_enabled()
             ):
                 return forward(*args, **kwargs)
-            self._forward_entered(args)
+            self._forward_entered(args or kwargs)  # (a model called with keywords only: `model(**batch)`)
             output = forward(*args, **kwargs)
             self._forward_left(module, output)
             return output
@@ -202,9 +203,9 @@ class TorchHooks:
     def _forward_entered(self, args: Any) -> None:
         rec = self.recorder
         try:
-            if self.loader_watched:
+            if self.loader_watched and rec.in_step:
                 rec.mark(_FORWARD_BEGIN)
-            else:
+            else:  # no loader, or none of its batches yet (it may not be the one the loop iterates)
                 self.note_batch(args)
                 rec.loop_top(_FORWARD_BEGIN)
             if self.flop_estimate is not None and self.flop_estimate.begin(rec.steps_done + 1):

@@ -129,6 +129,11 @@ class StepRecorder:
         self._label = None
         self._fingerprint = None
 
+    @property
+    def opened_at(self) -> int | None:
+        """The mark the open step began with (its loop top), None with no step open."""
+        return self._marks[0] if self.in_step and self._marks else None
+
     def forward_ended(self, samples: float) -> None:
         """A forward of the open step ended: its mark, and one more micro-batch of `samples` (NaN when
         unknown)."""

@@ -672,24 +672,50 @@ def test_a_watched_loader_the_loop_never_iterates_is_said_and_the_forwards_time_
     model = torch.nn.Linear(8, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     scope = Scope(tmp_path, console=False, hang_timeout=None, interval=25).watch(model, opt, watched)
+    losses = []
     for xb, yb in iterated:
         loss = torch.nn.functional.mse_loss(model(xb), yb)
         loss.backward()
         opt.step()
         opt.zero_grad()
         scope.log(loss=loss)
+        losses.append(loss.item())
     scope.finish()
     err = capsys.readouterr().err
     assert "the loader given to watch() was not iterated before the first optimizer step" in err
     assert "compiled" not in err  # not blamed on torch.compile
     run = load_run(tmp_path)
-    assert run.arrays.n_steps == 39 and (run.arrays.samples == 16).all()  # from the second step on
+    # Every step, the first one too (its forward opened it), under the optimizer step's number.
+    assert list(run.arrays.steps) == list(range(1, 41)) and (run.arrays.samples == 16).all()
+    assert np.allclose(run.arrays.loss[:, 0], losses)
     # The report says it too (its data wait reads 0), once, as it is read back later by `pytscope report`.
     (note,) = run.context.scope_notes
     assert note.startswith("the loader given to watch() was not iterated") and run.context.scope_errors == ()
     assert summarize(run.arrays, run.context).to_dict()["scope"]["notes"] == [note]
     assert main(["report", str(tmp_path)]) == 0
     assert "was not iterated" in " ".join(capsys.readouterr().out.split())  # (rich wraps long lines)
+
+
+def test_a_model_called_with_keywords_only_still_counts_its_samples(tmp_path):
+    # Hugging Face style, `model(**batch)`, with no loader watched: the batch size is read from the keywords.
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(8, 1)
+
+        def forward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.mse_loss(self.layer(inputs), labels)
+
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scope = Scope(tmp_path, console=False, hang_timeout=None, interval=10).watch(model, opt)
+    for _ in range(20):
+        batch = {"inputs": torch.randn(16, 8), "labels": torch.randn(16, 1)}
+        model(**batch).backward()
+        opt.step()
+        opt.zero_grad()
+    scope.finish()
+    assert (load_run(tmp_path).arrays.samples == 16).all()
 
 
 def test_backward_starts_where_the_gradient_reaches_the_output_so_a_large_head_is_backward(tmp_path):
