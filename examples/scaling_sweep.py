@@ -4,7 +4,7 @@
     python examples/scaling_sweep.py --target-loss 1.0    # also seconds and worker-seconds to reach loss 1.0
 
 Each run is `pytscope demo --scenario healthy` (gloo, one process per worker, one thread each). The demo keeps
-the per-rank batch at 256, so the global batch grows with the worker count (weak scaling); the sweep passes
+the per-rank batch at 1024, so the global batch grows with the worker count (weak scaling); the sweep passes
 `--weak` to say so, and time to a target loss then compares runs that took different-sized steps. On one
 machine the workers share memory bandwidth and the all-reduce goes through loopback, so efficiency below
 100% here is the host, not the method; the same command over runs from a cluster is the real use.

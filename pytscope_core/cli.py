@@ -98,17 +98,22 @@ def cmd_report(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from rich.markup import escape
 
-    from .demo import run_demo
+    from .demo import NEEDS_RANKS, run_demo
 
-    if args.ranks < 1:
-        raise UsageError("pytscope demo: --ranks must be at least 1")
+    if args.ranks < NEEDS_RANKS.get(args.scenario, 1):
+        needed = NEEDS_RANKS.get(args.scenario, 1)
+        why = " (a fault between ranks needs another rank to wait for it)" if needed > 1 else ""
+        raise UsageError(f"pytscope demo: the {args.scenario} scenario needs --ranks {needed} or more{why}")
     if args.steps < 1:
         raise UsageError("pytscope demo: --steps must be at least 1")
     console = _console()
     console.print(
         f"[bold]pytscope demo[/]: {args.ranks} CPU processes (gloo, DDP), scenario [bold]{args.scenario}[/]"
     )
-    path = run_demo(args.scenario, ranks=args.ranks, steps=args.steps, run_dir=args.run_dir)
+    try:
+        path = run_demo(args.scenario, ranks=args.ranks, steps=args.steps, run_dir=args.run_dir)
+    except OSError as exc:  # the run directory cannot be made
+        raise _cannot_write(f"pytscope demo: cannot write the run to {args.run_dir}", exc) from None
     if args.scenario == "hang":  # the ranks were ended before they could print the summary
         from .render import render_summary
         from .rundir import load_run

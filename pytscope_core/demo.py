@@ -18,6 +18,8 @@ STRAGGLER_SPIN_MS = 4.0  # extra local work of the slow rank per step
 INPUT_SPIN_MS = 6.0  # extra time per batch in the data loader (every rank)
 SPIKE_STEPS = (160, 230)  # steps whose inputs are scaled up, so the loss really jumps
 HANG_STEP = 30  # step at which the last rank stops joining the collectives
+BATCH = 1024  # samples per rank per step
+NEEDS_RANKS = {"straggler": 2, "hang": 2}  # a fault between ranks needs another rank to wait for it
 
 
 def free_port() -> int:
@@ -40,18 +42,24 @@ def run_demo(
     interval: int = 50,
     console: bool = True,
 ) -> Path:
-    """Spawn `ranks` processes, train `steps` steps with the fault, and return the run directory."""
+    """Spawn `ranks` processes, train `steps` steps with the fault, and return the run directory: `run_dir`,
+    or `run_dir-2` (-3 ...) when it holds an earlier run (as a Scope would choose), made before the job starts
+    (OSError when it cannot be)."""
     import torch.multiprocessing as mp
+
+    from .coordinator import run_directory_for
 
     if scenario not in SCENARIOS:
         raise ValueError(f"unknown scenario {scenario!r} (choose from {', '.join(SCENARIOS)})")
-    if ranks < 1:
-        raise ValueError("--ranks must be at least 1")
-    path = (
+    if ranks < NEEDS_RANKS.get(scenario, 1):
+        raise ValueError(f"the {scenario} scenario needs --ranks {NEEDS_RANKS.get(scenario, 1)} or more")
+    path = run_directory_for(
         Path(run_dir)
         if run_dir is not None
-        else Path("runs") / f"demo-{scenario}-{time.strftime('%Y%m%d-%H%M%S')}"
+        else Path("runs") / f"demo-{scenario}-{time.strftime('%Y%m%d-%H%M%S')}",
+        resumed=False,
     )
+    path.mkdir(parents=True, exist_ok=True)
     options = dict(scenario=scenario, steps=steps, run_dir=str(path), interval=interval, console=console)
     try:
         mp.start_processes(
@@ -107,14 +115,13 @@ def _worker(rank: int, world: int, port: int, options: dict[str, Any]) -> None:
 
 
 def _job(rank: int, world: int, steps: int, input_spin_ms: float) -> tuple[Any, Any]:
+    """The model and this rank's loader: its own shard of samples of one teacher (the same map on every rank),
+    made here, so a rank's memory does not grow with the number of ranks."""
     import torch
-    from torch.utils.data import BatchSampler, DataLoader, TensorDataset
-    from torch.utils.data.distributed import DistributedSampler
+    from torch.utils.data import BatchSampler, DataLoader, SequentialSampler, TensorDataset
 
-    batch = 1024
-    gen = torch.Generator().manual_seed(0)
-    teacher = torch.randn(64, 10, generator=gen)
-    x = torch.randn(steps * batch * world, 64, generator=gen)
+    teacher = torch.randn(64, 10, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(steps * BATCH, 64, generator=torch.Generator().manual_seed(1 + rank))
     y = (x @ teacher).argmax(dim=1)
     dataset = TensorDataset(x, y)
 
@@ -124,12 +131,8 @@ def _job(rank: int, world: int, steps: int, input_spin_ms: float) -> tuple[Any, 
         return batch
 
     # Whole batches by index (one gather per tensor), as a fast in-memory pipeline would do.
-    sampler: DistributedSampler[Any] = DistributedSampler(
-        dataset, num_replicas=world, rank=rank, shuffle=True, seed=0
-    )
-    loader = DataLoader(
-        dataset, batch_size=None, sampler=BatchSampler(sampler, batch, drop_last=True), collate_fn=fetch
-    )
+    batches = BatchSampler(SequentialSampler(dataset), BATCH, drop_last=True)
+    loader = DataLoader(dataset, batch_size=None, sampler=batches, collate_fn=fetch)
     torch.manual_seed(0)
     return demo_model(), loader
 

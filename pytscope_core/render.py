@@ -150,7 +150,8 @@ def render_convergence(summary: Summary) -> RenderableType:
         + (
             f" from step {c.nonfinite_step} on (before it: {100 * c.trend.relative_change:+.1f}%, t = {c.trend.t:.1f})"
             if c.trend.trend == "non-finite" and math.isfinite(c.trend.t)
-            else f" ({100 * c.trend.relative_change:+.1f}%, t = {c.trend.t:.1f})"
+            else f" ({100 * c.trend.relative_change:+.1f}%, t = {c.trend.t:.1f}"
+            + ("; a fall within the noise: more steps will tell)" if c.trend.trend == "unclear" else ")")
             if math.isfinite(c.trend.t)
             else " (no loss was logged: pass it to scope.log(loss=...); under Lightning, return it from training_step)"
             if c.trend.trend == "unknown" and not math.isfinite(c.first_loss) and c.nonfinite_step is None

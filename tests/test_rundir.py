@@ -148,6 +148,8 @@ def test_bad_arguments_exit_2_without_traceback():
         ["nonsense"],
         ["report", ".", "--fail-on", "CRITICAL"],
         ["demo", "--ranks", "0"],
+        ["demo", "--scenario", "hang", "--ranks", "1"],
+        ["demo", "--run-dir", "/proc/no-run-here"],
         ["demo", "--steps", "0"],
     ):
         proc = subprocess.run(

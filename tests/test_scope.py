@@ -212,9 +212,19 @@ def test_stuck_single_process_loop_is_reported_with_its_stack_but_never_ended(tm
 @pytest.mark.multiproc
 @pytest.mark.parametrize("scenario, code", [("input", "DATA.INPUT_BOUND"), ("spike", "CONVERGENCE.SPIKE")])
 def test_demo_scenarios_find_their_fault(tmp_path, capsys, scenario, code):
-    assert main(["demo", "--scenario", scenario, "--run-dir", str(tmp_path / "run")]) == 0
+    from pytscope_core.rundir import RunWriter
+
+    run = tmp_path / "run"
+    if (
+        scenario == "spike"
+    ):  # --run-dir holds an earlier run: the demo's own goes beside it, and is the one named
+        RunWriter(run, {"world_size": 1}).close()
+    assert main(["demo", "--scenario", scenario, "--run-dir", str(run)]) == 0
+    if scenario == "spike":
+        run = tmp_path / "run-2"
+        assert f"pytscopereport{run}" in "".join(capsys.readouterr().out.split())  # (rich wraps long lines)
     capsys.readouterr()
-    assert main(["report", str(tmp_path / "run"), "--json"]) == 0
+    assert main(["report", str(run), "--json"]) == 0
     found = {f["code"]: f for f in json.loads(capsys.readouterr().out)["findings"]}
     assert code in found
     if scenario == "spike":

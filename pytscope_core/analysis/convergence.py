@@ -77,7 +77,9 @@ SPIKE_MIN_RELATIVE = 0.25
 
 @dataclass(frozen=True)
 class LossTrend:
-    trend: str  # "improving", "flat", "worsening", "unknown", or "non-finite" (never finite again after a NaN/Inf)
+    # "improving", "flat", "worsening", "unclear" (fell by TREND_MIN_RELATIVE_CHANGE or more, but within the
+    # noise), "unknown", or "non-finite" (never finite again after a NaN/Inf)
+    trend: str
     t: float  # (last - first) / its standard error; negative when the loss goes down
     relative_change: float  # (last quarter mean - first quarter mean) / |first quarter mean|
     finite_steps: int
@@ -156,6 +158,10 @@ def loss_trend(loss: np.ndarray) -> LossTrend:
         trend = "improving"
     elif t >= TREND_T_CRIT and rel >= TREND_MIN_RELATIVE_CHANGE:
         trend = "worsening"
+    elif rel <= -TREND_MIN_RELATIVE_CHANGE:
+        trend = (
+            "unclear"  # it fell by 5% or more, within the noise: neither improving nor flat, for all it shows
+        )
     else:
         trend = "flat"
     return LossTrend(trend, float(t), float(rel), int(x.size))
@@ -189,7 +195,7 @@ def plateau_start(loss: np.ndarray) -> tuple[int, float, float, float] | None:
     PLATEAU_MAX_CHANGE of its level or PLATEAU_MAX_SHARE_OF_FALL of the fall before it, with confidence; None
     when the loss never improved or still does."""
     x = loss[np.isfinite(loss)]
-    if loss_trend(x).trend != "improving":
+    if loss_trend(x).trend not in ("improving", "unclear"):
         return None
     first = float(stats.block_means(x, TREND_BLOCKS)[:TREND_EDGE_BLOCKS].mean())
     shortest = max(TREND_MIN_STEPS, math.ceil(PLATEAU_MIN_SHARE * x.size))
@@ -230,7 +236,7 @@ def rise_start(loss: np.ndarray, steps: np.ndarray | None = None) -> Rise | None
     x = loss[ok]
     at = (np.arange(loss.size) if steps is None else np.asarray(steps))[ok]
     trend = loss_trend(x).trend
-    if trend not in ("improving", "flat"):
+    if trend not in ("improving", "flat", "unclear"):
         return None
     first = _edge_change(x)[2]
     shortest = max(TREND_MIN_STEPS, math.ceil(RISE_MIN_SHARE * x.size))
@@ -250,7 +256,7 @@ def rise_start(loss: np.ndarray, steps: np.ndarray | None = None) -> Rise | None
             last_low = int(np.flatnonzero(near)[-1]) if near.any() else int(np.argmin(means))
             turn = edges[last_low]
             fell = first - low
-            if trend == "flat" and not (
+            if trend in ("flat", "unclear") and not (
                 fell >= TREND_MIN_RELATIVE_CHANGE * abs(first) and fell >= RISE_T_CRIT * math.sqrt(2) * noise
             ):
                 return None  # a loss that ended where it began rose only if it clearly fell first

@@ -726,7 +726,7 @@ def no_progress(a: RunAnalysis) -> list[Finding]:
                 evidence={"rise_step": rise.step, "relative_change": rise.relative_change, "t": rise.t},
             )
         ]
-    if t.trend == "improving" and plateau is not None:
+    if t.trend in ("improving", "unclear") and plateau is not None:
         return [
             Finding(
                 code="CONVERGENCE.NO_PROGRESS",
