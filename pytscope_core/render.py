@@ -25,6 +25,10 @@ BAR_WIDTH = 30
 SPARK_CHARS = "▁▂▃▄▅▆▇█"
 MAX_RANK_ROWS = 16
 """Above this many ranks the table shows the slowest 8 and the fastest 4 by local work."""
+MAX_RANK_END_ROWS = 8
+"""Ranks whose own records (and why they end) the run summary lists, those that end earliest first."""
+MAX_LAUNCHES_SHOWN = 6
+"""Launches on different numbers of ranks listed on the world-size line, the first and the last ones."""
 _SEVERITY_STYLE = {Severity.HIGH: "bold red", Severity.MED: "yellow", Severity.LOW: "dim"}
 
 
@@ -84,7 +88,9 @@ def render_run(summary: Summary) -> RenderableType:
         table.add_row("parallelism", Text(r.parallelism + (f": {r.comm_note}" if r.comm_note else "")))
     for note in summary.scope_notes:  # what the scope could not measure, as it said while training
         table.add_row("note", Text(note))
-    for end in r.rank_ends:
+    # The ranks whose records end earliest first; a large job's others in one line (all in --json).
+    ends = sorted(r.rank_ends, key=lambda e: (e.last_step is not None, e.last_step or 0, e.rank))
+    for end in ends[:MAX_RANK_END_ROWS]:
         where = (
             "have no record"
             if end.last_step is None
@@ -95,6 +101,9 @@ def render_run(summary: Summary) -> RenderableType:
         table.add_row(
             f"rank {end.rank}", Text(f"records {where}: {end.reason}")
         )  # the reason may quote an error
+    if len(ends) > MAX_RANK_END_ROWS:
+        more = len(ends) - MAX_RANK_END_ROWS
+        table.add_row("", Text(f"... and {more} more ranks' own records, with why (run.rank_ends in --json)"))
     if not r.ended:
         table.add_row(
             "end",
@@ -118,6 +127,10 @@ def _world_sizes(world_size: int, segments: Sequence[SegmentSpan]) -> str:
     if len({s.world_size for s in ran}) < 2:
         return str(world_size)
     launches = [f"{s.world_size} (steps {s.first_step}-{s.last_step})" for s in ran]
+    if len(launches) > MAX_LAUNCHES_SHOWN:  # an elastic job restarted hundreds of times: the ends of the list
+        half = MAX_LAUNCHES_SHOWN // 2
+        hidden = len(launches) - 2 * half
+        launches = [*launches[:half], f"... {hidden} more launches ...", *launches[-half:]]
     return ", then ".join(launches)
 
 

@@ -138,3 +138,28 @@ def test_a_rank_that_wrote_its_own_rows_to_the_end_is_not_said_to_end_early():
     text = text_of(render_summary(summarize(arrays, ctx)))
     assert "records run to the last step (100), written by the rank itself: finish() after" in text
     assert "rank 2" in text and "records end at step 98" in text
+
+
+def test_many_ranks_own_records_stay_a_few_lines():
+    # A launcher's SIGTERM on 64 ranks: each wrote its own rows and why; the report lists the ranks whose records
+    # end earliest and counts the rest.
+    full = run(steps=100, ranks=64, slow_rank=None)
+    phases = full.phases.copy()
+    phases[-5:, 63, :] = np.nan  # rank 63's records end first
+    arrays = RunArrays.from_arrays(phases, loss=np.asarray(full.loss))
+    notes = tuple((r, "SIGTERM while at step 100 in `forward`") for r in range(64))
+    text = text_of(render_summary(summarize(arrays, RunContext(world_size=64, rank_notes=notes))))
+    assert text.count("records run to the last step") == 7 and "rank 63" in text and "end at step 95" in text
+    assert "... and 56 more ranks' own records" in text
+
+
+def test_a_job_relaunched_many_times_on_other_ranks_lists_its_first_and_last_launches(tmp_path):
+    from runfactory import write_launches
+
+    from pytscope_core.rundir import load_run
+
+    run_dir = write_launches(tmp_path / "r", [(2 if i % 2 else 4, 20, 10.0) for i in range(40)])
+    loaded = load_run(run_dir)
+    text = " ".join(text_of(render_summary(summarize(loaded.arrays, loaded.context))).split())
+    assert "4 (steps 1-20), then 2 (steps 21-40)" in text
+    assert "... 34 more launches ..." in text and "(steps 781-800)" in text
