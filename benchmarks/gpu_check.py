@@ -8,9 +8,10 @@ numpy, rich and lightning must be there):
 (through this project's device tool: `--out $OUT/gpu_check.json --work $OUT/gpu_check_work`, timeout_s 420.)
 Expected runtime on one H200: about 2.5-3 minutes, at most 5 (`--budget-s`, default 290: no check starts after
 it, and the ones left say so); the JSON is rewritten after every check, so a run cut short keeps what finished.
-`--work` keeps every run directory and worker log (a temporary folder otherwise), so a check that failed can
-be read afterwards with `pytscope report`; a check still running after `--stacks-after-s` (400) has every
-thread's stack printed and the process ended, so a hang shows where. Rerun some checks with
+`--work` keeps every run directory and worker log, in a new subfolder per run (a temporary folder otherwise),
+so a check that failed can be read afterwards with `pytscope report`; a check still running after
+`--stacks-after-s` (400) has this process's thread stacks printed and the process ended, so a hang in it shows
+where (a worker process's hang is ended by its own time limit, its log kept). Rerun some checks with
 `--checks torch,nccl` (names below). Anywhere, as a smoke test (without CUDA the CUDA-only checks say
 skipped and why; about 20 s on 2 CPU cores):
 
@@ -769,8 +770,9 @@ def worker_command(kind: str, rank: int, world: int, port: int, spec_path: Path)
 def child_env(ctx: Ctx, port: int) -> dict[str, str]:
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "PYTHONUNBUFFERED": "1"}
     # One host: loopback, whatever the hostname resolves to (an isolated machine may have no other route).
-    env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    env.setdefault("NCCL_SOCKET_IFNAME", "lo")
+    if sys.platform.startswith("linux"):
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        env.setdefault("NCCL_SOCKET_IFNAME", "lo")
     if not ctx.cuda:
         env["OMP_NUM_THREADS"] = "1"
     return env
@@ -1213,7 +1215,7 @@ def main(argv: list[str] | None = None) -> int:
         "--stacks-after-s",
         type=float,
         default=400.0,
-        help="print every thread's stack and exit 1 if still running after this (a hang shows where)",
+        help="print this process's thread stacks and exit 1 if still running after this (a hang shows where)",
     )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
@@ -1238,13 +1240,15 @@ def main(argv: list[str] | None = None) -> int:
     if not cuda:
         torch.set_num_threads(1)  # as the overhead benchmark: steadier timing on shared cores
     budget = args.budget_s if args.budget_s is not None else (150.0 if args.quick else 290.0)
-    if args.work:
+    workdir: contextlib.AbstractContextManager[str]
+    if args.work:  # a subfolder of this run's own: a rerun must not read an earlier run's directories
         Path(args.work).mkdir(parents=True, exist_ok=True)
-    with (
-        contextlib.nullcontext(args.work)
-        if args.work
-        else tempfile.TemporaryDirectory(prefix="pytscope-gpu-check-") as tmp
-    ):
+        workdir = contextlib.nullcontext(
+            tempfile.mkdtemp(prefix=time.strftime("%Y%m%d-%H%M%S-"), dir=args.work)
+        )
+    else:
+        workdir = tempfile.TemporaryDirectory(prefix="pytscope-gpu-check-")
+    with workdir as tmp:
         ctx = Ctx(
             device="cuda" if cuda else "cpu",
             device_name=torch.cuda.get_device_name(0) if cuda else "cpu",

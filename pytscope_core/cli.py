@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -98,7 +97,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from rich.markup import escape
 
-    from .demo import NEEDS_RANKS, run_demo
+    from .demo import NEEDS_RANKS, demo_run_dir, run_demo
 
     if args.ranks < NEEDS_RANKS.get(args.scenario, 1):
         needed = NEEDS_RANKS.get(args.scenario, 1)
@@ -106,14 +105,16 @@ def cmd_demo(args: argparse.Namespace) -> int:
         raise UsageError(f"pytscope demo: the {args.scenario} scenario needs --ranks {needed} or more{why}")
     if args.steps < 1:
         raise UsageError("pytscope demo: --steps must be at least 1")
+    try:
+        path = demo_run_dir(args.scenario, args.run_dir)
+    except OSError as exc:
+        where = exc.filename or args.run_dir or "runs"
+        raise _cannot_write(f"pytscope demo: cannot make the run directory {where}", exc) from None
     console = _console()
     console.print(
         f"[bold]pytscope demo[/]: {args.ranks} CPU processes (gloo, DDP), scenario [bold]{args.scenario}[/]"
     )
-    try:
-        path = run_demo(args.scenario, ranks=args.ranks, steps=args.steps, run_dir=args.run_dir)
-    except OSError as exc:  # the run directory cannot be made
-        raise _cannot_write(f"pytscope demo: cannot write the run to {args.run_dir}", exc) from None
+    path = run_demo(args.scenario, ranks=args.ranks, steps=args.steps, run_dir=path)
     if args.scenario == "hang":  # the ranks were ended before they could print the summary
         from .render import render_summary
         from .rundir import load_run
@@ -349,43 +350,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-class _Stdout:
-    """Standard output that a reader who stopped reading (`pytscope report RUN | head`) does not turn into a
-    traceback: the rest of the output is dropped and the command's exit code (a `--fail-on` verdict) holds."""
-
-    def __init__(self, stream: Any) -> None:
-        self._stream, self._gone = stream, False
-
-    def write(self, text: str) -> int:
-        if not self._gone:
-            try:
-                return int(self._stream.write(text))
-            except BrokenPipeError:
-                self._reader_left()
-        return len(text)
-
-    def flush(self) -> None:
-        if not self._gone:
-            try:
-                self._stream.flush()
-            except BrokenPipeError:
-                self._reader_left()
-
-    def _reader_left(self) -> None:
-        self._gone = True
-        try:  # what is still buffered goes nowhere at exit, rather than to the closed pipe (a second error)
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, self._stream.fileno())
-            os.close(devnull)
-        except (OSError, ValueError):  # (not a real file)
-            pass
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._stream, name)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    stdout, sys.stdout = sys.stdout, _Stdout(sys.stdout)
+    from .output import PipeSafeStdout
+
+    stdout = sys.stdout
+    if stdout is not None:  # (None: started with its standard output closed)
+        sys.stdout = PipeSafeStdout(stdout)
     try:
         args = build_parser().parse_args(argv)
         return COMMANDS[args.command](args)
@@ -395,8 +365,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     finally:
-        sys.stdout.flush()
-        sys.stdout = stdout
+        if stdout is not None:
+            sys.stdout.flush()
+            sys.stdout = stdout
 
 
 if __name__ == "__main__":

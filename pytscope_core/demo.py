@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -42,24 +43,15 @@ def run_demo(
     interval: int = 50,
     console: bool = True,
 ) -> Path:
-    """Spawn `ranks` processes, train `steps` steps with the fault, and return the run directory: `run_dir`,
-    or `run_dir-2` (-3 ...) when it holds an earlier run (as a Scope would choose), made before the job starts
-    (OSError when it cannot be)."""
+    """Spawn `ranks` processes, train `steps` steps with the fault, and return the run directory
+    (`demo_run_dir`)."""
     import torch.multiprocessing as mp
-
-    from .coordinator import run_directory_for
 
     if scenario not in SCENARIOS:
         raise ValueError(f"unknown scenario {scenario!r} (choose from {', '.join(SCENARIOS)})")
     if ranks < NEEDS_RANKS.get(scenario, 1):
         raise ValueError(f"the {scenario} scenario needs --ranks {NEEDS_RANKS.get(scenario, 1)} or more")
-    path = run_directory_for(
-        Path(run_dir)
-        if run_dir is not None
-        else Path("runs") / f"demo-{scenario}-{time.strftime('%Y%m%d-%H%M%S')}",
-        resumed=False,
-    )
-    path.mkdir(parents=True, exist_ok=True)
+    path = demo_run_dir(scenario, run_dir)
     options = dict(scenario=scenario, steps=steps, run_dir=str(path), interval=interval, console=console)
     try:
         mp.start_processes(
@@ -72,13 +64,27 @@ def run_demo(
     return path
 
 
+def demo_run_dir(scenario: str, run_dir: str | os.PathLike[str] | None) -> Path:
+    """Where the demo's run goes, made before the job starts (OSError when it cannot be): `run_dir` (default
+    runs/demo-<scenario>-<time>), or `run_dir-2` (-3 ...) when it holds an earlier run, as a Scope would choose."""
+    from .coordinator import run_directory_for
+
+    default = Path("runs") / f"demo-{scenario}-{time.strftime('%Y%m%d-%H%M%S')}"
+    path = run_directory_for(Path(run_dir) if run_dir is not None else default, resumed=False)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
 def _worker(rank: int, world: int, port: int, options: dict[str, Any]) -> None:
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
 
+    from .output import PipeSafeStdout
     from .scope import Scope
 
+    if sys.stdout is not None:  # rank 0 prints to the demo's reader, who may stop reading (| head)
+        sys.stdout = PipeSafeStdout(sys.stdout)
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)

@@ -310,9 +310,12 @@ class TorchHooks:
             self._on_error(exc)
 
     def data_begin(self) -> None:
-        """Loop top: the wait for the next batch starts."""
+        """Loop top: the wait for the next batch starts. Before the first optimizer step, a step a forward
+        opened (one before the loop: a shape probe, a lazy module's first call) starts again here."""
         if self._epoch_paused:
             self._epoch_begins()
+        if not self._forward_checked and self.recorder.opened_at == _FORWARD_BEGIN:
+            self.recorder.drop_unstepped()
         self.recorder.loop_top(_DATA_BEGIN)
 
     def data_end(self, batch: Any) -> None:

@@ -129,6 +129,12 @@ class StepRecorder:
         self._label = None
         self._fingerprint = None
 
+    def drop_unstepped(self) -> None:
+        """Forget the open step if its optimizer has not stepped: what opened it (a forward before the loop's
+        first batch) was not the step's, and the loop top that follows opens it afresh."""
+        if self.in_step and not self._stepped:
+            self.in_step = False
+
     @property
     def opened_at(self) -> int | None:
         """The mark the open step began with (its loop top), None with no step open."""

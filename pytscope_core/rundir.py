@@ -288,22 +288,17 @@ def _load_run(root: Path, warmup: int | None) -> Run:
         except (ValueError, UnicodeDecodeError, RecursionError, OSError):
             problems.append("meta.json is unreadable; defaults assumed")
     if meta and meta.get("format") != FORMAT:
-        found = meta.get("format")
-        why = f"its format is {found!r}, not {FORMAT!r}" if found else "its meta.json is not pytscope's"
-        raise RunDirError(f"{root}: not a pytscope run directory ({why})")
+        kind = meta.get("format")
+        if isinstance(kind, str) and kind.startswith("pytscope-run/"):
+            raise RunDirError(
+                f"{root}: a run in format {kind!r}, which this pytscope cannot read (it reads {FORMAT!r})"
+            )
+        raise RunDirError(f"{root}: not a pytscope run directory (its meta.json is not pytscope's)")
     if not meta and not (root / "steps.f64").exists():
         raise RunDirError(f"{root}: not a pytscope run directory (no meta.json or steps.f64)")
     columns = _columns_of(meta)
-    no_events: tuple[list[dict[str, Any]], int] = ([], 0)
-    events, bad_lines = _read_or_note(lambda: read_events(root), "events.jsonl", problems, no_events)
-    for e in events:  # settings learnt during the run (e.g. measured FLOPs) arrive as "meta" events
-        if e.get("type") == "meta" and isinstance(e.get("fields"), dict):
-            meta.update(_with_earlier_places(meta, e["fields"]))
-    if bad_lines:
-        problems.append(f"{bad_lines} unreadable line(s) in events.jsonl skipped")
-    for key, value in _bad_settings(meta):
-        problems.append(f"run setting {key}={value!r} is not valid; its default assumed")
-        del meta[key]
+    # Rows before events: a launch's segment event is written before its rows, so every row read has its
+    # launch's event (and world size) in what is read next, even while the run is writing.
     rows = _read_or_note(lambda: read_rows(root, columns), "steps.f64", problems, np.empty((0, NCOLS)))
     if not (root / "steps.f64").exists():
         problems.append("steps.f64 is missing: no gathered step records (only the ranks' own files, if any)")
@@ -313,7 +308,22 @@ def _load_run(root: Path, warmup: int | None) -> Run:
     )
     if own_rows.size:
         rows = np.concatenate([rows, own_rows])
-    rows, corrupt = sound_rows(rows, _largest_world(meta, events))
+    no_events: tuple[list[dict[str, Any]] | None, int] = (None, 0)  # None: events.jsonl cannot be read
+    read: tuple[list[dict[str, Any]] | None, int] = _read_or_note(
+        lambda: read_events(root), "events.jsonl", problems, no_events
+    )
+    found, bad_lines = read
+    events = found or []
+    for e in events:  # settings learnt during the run (e.g. measured FLOPs) arrive as "meta" events
+        if e.get("type") == "meta" and isinstance(e.get("fields"), dict):
+            meta.update(_with_earlier_places(meta, e["fields"]))
+    if bad_lines:
+        problems.append(f"{bad_lines} unreadable line(s) in events.jsonl skipped")
+    for key, value in _bad_settings(meta):
+        problems.append(f"run setting {key}={value!r} is not valid; its default assumed")
+        del meta[key]
+    # Without the events, a relaunch on more ranks than meta.json's first is not known: no rank is too high.
+    rows, corrupt = sound_rows(rows, _largest_world(meta, events) if found is not None else 2**24)
     if corrupt:
         problems.append(f"{corrupt} corrupt row(s) of step records dropped")
     torn = _torn(root / "steps.f64", len(columns or COLUMNS))

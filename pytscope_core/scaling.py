@@ -156,6 +156,12 @@ def _launches(run: Run) -> tuple[int, ...]:
     return launch_sequence([s.world_size for s in run.context.segments])
 
 
+def _has_counted_steps(run: Run) -> bool:
+    """Steps past the warm-up with a wall time: a throughput (warm-up steps alone would give a false one)."""
+    counted = np.asarray(run.arrays.counted, dtype=bool)
+    return bool(counted.any()) and counted_work(run)[1] > 0
+
+
 class NothingToScale(ValueError):
     """No run given has a counted step."""
 
@@ -171,8 +177,8 @@ def scaling_points(runs: Sequence[Run], target_loss: float | None = None, weak: 
     pieced = [
         (p, tuple(s.index for s in p.context.segments) if len(ps) > 1 else ()) for _, ps in split for p in ps
     ]
-    empty = [str(p.path) for p, _ in pieced if counted_work(p)[1] == 0]
-    pieced = [(p, part) for p, part in pieced if counted_work(p)[1] > 0]
+    empty = [str(p.path) for p, _ in pieced if not _has_counted_steps(p)]
+    pieced = [(p, part) for p, part in pieced if _has_counted_steps(p)]
     if not pieced:
         raise NothingToScale("no run has counted steps")
     runs, parts = [p for p, _ in pieced], [part for _, part in pieced]

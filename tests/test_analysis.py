@@ -327,14 +327,19 @@ def test_a_fast_fall_then_flat_through_heavy_noise_is_unclear_not_stopped_improv
     # healthy run). Its first-to-last quarter fall (about 20%) is not significant; half of these curves used to
     # be MED "the loss has stopped improving ... no significant decrease of at least 5%".
     t = np.arange(200)
-    trends = set()
+    trends, said = [], []
     for seed in range(30):
         loss = (1.2 + 0.8 * np.exp(-t / 20)) * (1 + 0.3 * np.random.default_rng(seed).standard_normal(200))
         arrays = make_run(200, 2, seed=seed, loss=loss)
-        trends.add(analyze(arrays, RunContext(world_size=2)).convergence.trend.trend)
-        found = [f for f in diagnose(arrays, RunContext(world_size=2)) if f.code == "CONVERGENCE.NO_PROGRESS"]
-        assert all(f.severity == Severity.LOW for f in found), (seed, found)
-    assert "unclear" in trends
+        trends.append(analyze(arrays, RunContext(world_size=2)).convergence.trend.trend)
+        found = diagnose(arrays, RunContext(world_size=2))
+        said += [seed for f in found if f.code == "CONVERGENCE.NO_PROGRESS" and f.severity >= Severity.MED]
+    assert trends.count("unclear") >= 10 and len(said) <= 2, (trends, said)  # 16 of 30 were MED before
+    # A constant loss under the same noise is still "flat" (MED) but in a few seeds.
+    stuck = [
+        loss_trend(1.5 * (1 + 0.3 * np.random.default_rng(s).standard_normal(200))).trend for s in range(100)
+    ]
+    assert stuck.count("flat") >= 90
     # The report says what it is: a fall, within the noise.
     from pytscope_core.render import render_summary
     from pytscope_core.summary import summarize

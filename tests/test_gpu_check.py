@@ -55,5 +55,6 @@ def test_quick_run_reports_every_check(tmp_path: Path) -> None:
     # --work keeps each check's run directory, to be read afterwards when a check fails.
     from pytscope_core.rundir import load_run
 
-    assert load_run(tmp_path / "work" / "ddp-host" / "run").arrays.world_size == 2
-    assert (tmp_path / "work" / "torch" / "summary.json").exists()
+    (work,) = (tmp_path / "work").iterdir()  # this run's own subfolder
+    assert load_run(work / "ddp-host" / "run").arrays.world_size == 2
+    assert (work / "torch" / "summary.json").exists()

@@ -150,8 +150,10 @@ def test_a_batch_off_numpys_path_is_fingerprinted_without_a_blocking_copy(monkey
     the one numpy's path takes of the same values."""
     import torch
 
+    import pytscope_core.batches as batches
     from pytscope_core.batches import fingerprint, resolve_fingerprints
 
+    monkeypatch.setattr(batches, "_DEVICE_POSITIONS", {})  # (not made by an earlier test)
     copies: list[bool] = []
     to = torch.Tensor.to
 

@@ -119,7 +119,7 @@ def test_resumed_segment_supersedes_replayed_steps(tmp_path, capsys):
     assert data["run"]["steps"] == 200 and data["run"]["restarts"] == 1
 
 
-@pytest.mark.parametrize("make", ["missing", "file", "empty", "junk", "foreign", "deep"])
+@pytest.mark.parametrize("make", ["missing", "file", "empty", "junk", "foreign", "deep", "newer"])
 def test_bad_run_directory_is_one_line_and_exit_2(tmp_path, make):
     target = tmp_path / "x"
     if make == "file":
@@ -132,6 +132,9 @@ def test_bad_run_directory_is_one_line_and_exit_2(tmp_path, make):
     elif make == "foreign":  # a folder that merely holds a meta.json of some other tool
         target.mkdir()
         (target / "meta.json").write_text('{"name": "my dataset"}')
+    elif make == "newer":
+        target.mkdir()
+        (target / "meta.json").write_text('{"format": "pytscope-run/2"}')
     elif make == "deep":  # nested past what the JSON decoder recurses into
         target.mkdir()
         (target / "meta.json").write_text("[" * 100_000 + "]" * 100_000)
@@ -311,6 +314,18 @@ def test_what_cannot_be_read_is_said_and_the_rest_kept(tmp_path, monkeypatch):
     monkeypatch.setattr(Path, "exists", no_look)
     with pytest.raises(RunDirError, match="cannot be read \\(Permission denied\\)"):
         load_run(tmp_path / "r")
+
+
+def test_without_its_events_a_run_relaunched_on_more_ranks_keeps_every_rank(tmp_path):
+    # meta.json has the first launch's 2 ranks; the relaunch on 4 is known from its segment event only.
+    from runfactory import write_launches
+
+    run = write_launches(tmp_path / "r", [(2, 30, 10.0), (4, 30, 10.0)])
+    assert load_run(run).arrays.world_size == 4 and load_run(run).problems == []
+    (run / "events.jsonl").unlink()
+    (run / "events.jsonl").mkdir()
+    loaded = load_run(run)
+    assert loaded.arrays.world_size == 4 and not any("corrupt" in p for p in loaded.problems)
 
 
 def test_a_folder_named_like_a_rank_file_leaves_the_other_rank_files_read(tmp_path):

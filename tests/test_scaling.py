@@ -158,11 +158,14 @@ def test_a_run_without_counted_steps_is_left_out_and_changes_no_other_point(stro
     from pytscope_core.rundir import RunWriter
 
     RunWriter(tmp_path / "early", {"world_size": 1}).close()
+    warm = phases_of(3, 1, {"forward": 1.0})  # 3 quick steps, all in the 5-step warm-up
+    warm_only = write_run(tmp_path / "warm", warm, samples=64.0, warmup=WARMUP)
     whole = scaling_points([load_run(p) for p in strong_runs])
-    s = scaling_points([load_run(p) for p in [tmp_path / "early", *strong_runs]])
+    s = scaling_points([load_run(p) for p in [tmp_path / "early", warm_only, *strong_runs]])
     assert s.unit == "samples/s" and [p.world_size for p in s.points] == [1, 2, 4]
     assert [p.efficiency for p in s.points] == [p.efficiency for p in whole.points]
     assert any("early has no counted steps" in n for n in s.warnings)
+    assert any("warm has no counted steps" in n for n in s.warnings)
     assert main(["scaling", str(tmp_path / "early")]) == 2
     assert "nothing to scale" in capsys.readouterr().err
 

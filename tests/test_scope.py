@@ -706,6 +706,25 @@ def test_a_watched_loader_the_loop_never_iterates_is_said_and_the_forwards_time_
     assert "was not iterated" in " ".join(capsys.readouterr().out.split())  # (rich wraps long lines)
 
 
+def test_a_forward_before_the_loop_is_not_the_first_step_and_no_loader_is_said_unseen(tmp_path):
+    # A shape probe (or a lazy module's first call) in train mode before the loop: the watched loader is
+    # iterated, so nothing is said, and step 1 is the loop's own first batch (its 16 samples, not 16 + 2).
+    x, y = torch.randn(640, 8), torch.randn(640, 1)
+    loader = DataLoader(TensorDataset(x, y), batch_size=16)
+    model = torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scope = Scope(tmp_path, console=False, hang_timeout=None, interval=10).watch(model, opt, loader)
+    model(torch.randn(2, 8))
+    for xb, yb in loader:
+        torch.nn.functional.mse_loss(model(xb), yb).backward()
+        opt.step()
+        opt.zero_grad()
+    scope.finish()
+    run = load_run(tmp_path)
+    assert run.context.scope_notes == () and list(run.arrays.steps) == list(range(1, 41))
+    assert (run.arrays.samples == 16).all()
+
+
 def test_a_model_called_with_keywords_only_still_counts_its_samples(tmp_path):
     # Hugging Face style, `model(**batch)`, with no loader watched: the batch size is read from the keywords.
     class Net(torch.nn.Module):
