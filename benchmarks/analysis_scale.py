@@ -61,8 +61,9 @@ def _rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
-def diagnose_at_scale(ranks: int, steps: int, repeat: int) -> tuple[float, float, float, int]:
-    """(summarize s, diagnose s, tracemalloc peak MiB incl. inputs, findings) for a synthetic run."""
+def diagnose_at_scale(ranks: int, steps: int, repeat: int) -> tuple[float, float, float, int, float]:
+    """(summarize s, diagnose s, tracemalloc peak MiB incl. inputs, findings, the first diagnose's s) for a
+    synthetic run: the first call in the process is cold, as a `pytscope report` is."""
     from pytscope_core.analysis import diagnose
     from pytscope_core.arrays import RunArrays
     from pytscope_core.context import RunContext
@@ -88,7 +89,7 @@ def diagnose_at_scale(ranks: int, steps: int, repeat: int) -> tuple[float, float
     print(f"  findings: {', '.join(codes) or 'none'}")
     if straggler:
         print(f"  DIST.STRAGGLER names rank(s) {list(straggler[0].ranks)} (injected: rank {ranks - 1})")
-    return statistics.median(t_summary), statistics.median(t_diag), peak / 2**20, len(findings)
+    return statistics.median(t_summary), statistics.median(t_diag), peak / 2**20, len(findings), t_diag[0]
 
 
 def write_run(path: Path, steps: int, ranks: int) -> None:
@@ -175,11 +176,14 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     print(f"diagnosing {ranks} ranks x {steps} steps (float32 phases, rank {ranks - 1} 10% slower)")
-    t_sum, t_diag, peak, _ = diagnose_at_scale(ranks, steps, repeat)
+    t_sum, t_diag, peak, _, t_cold = diagnose_at_scale(ranks, steps, repeat)
     rss = _rss_mib()
     verdict_t = "met" if t_sum < BUDGET_S else "MISSED"
     verdict_m = "met" if max(peak, rss) < BUDGET_MIB else "MISSED"
-    print(f"  diagnose {t_diag:.2f} s, summarize {t_sum:.2f} s; < {BUDGET_S:.0f} s: {verdict_t}")
+    print(
+        f"  diagnose {t_diag:.2f} s (the first call, cold: {t_cold:.2f} s), summarize {t_sum:.2f} s; "
+        f"< {BUDGET_S:.0f} s: {verdict_t}"
+    )
     print(
         f"  peak traced {peak:.0f} MiB (inputs included), process ru_maxrss {rss:.0f} MiB; < 1 GiB: {verdict_m}"
     )

@@ -118,9 +118,8 @@ class TorchHooks:
         """At the first optimizer step: a step without the watched model's training forward means the model
         was compiled after `watch` (its wrapper steps aside inside compiled code). Compiled in place, its
         compiled call is wrapped now (no FLOPs are counted once anything is compiled: `FlopEstimate.begin`);
-        compiled into a new module, which pytscope cannot see, that is said once. A first step opened by the
-        forward, not by the watched loader: the loop iterates another loader, and the forwards open the steps
-        from now on (as they opened this one)."""
+        compiled into a new module, which pytscope cannot see, that is said once. A first step the forward
+        opened: the loop iterates another loader than the watched one, and forwards open the steps from now on."""
         self._forward_checked = True
         rec = self.recorder
         if self.loader_watched and rec.opened_at != _DATA_BEGIN:  # (the forward opened the first step)
@@ -310,8 +309,7 @@ class TorchHooks:
             self._on_error(exc)
 
     def data_begin(self) -> None:
-        """Loop top: the wait for the next batch starts. Before the first optimizer step, a step a forward
-        opened (one before the loop: a shape probe, a lazy module's first call) starts again here."""
+        """Loop top: the wait for the next batch starts (a step that a forward before the loop opened restarts)."""
         if self._epoch_paused:
             self._epoch_begins()
         if not self._forward_checked and self.recorder.opened_at == _FORWARD_BEGIN:
