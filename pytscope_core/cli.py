@@ -97,12 +97,12 @@ def cmd_report(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from rich.markup import escape
 
-    from .demo import NEEDS_RANKS, demo_run_dir, run_demo
+    from .demo import check_demo, demo_run_dir, run_demo
 
-    if args.ranks < NEEDS_RANKS.get(args.scenario, 1):
-        needed = NEEDS_RANKS.get(args.scenario, 1)
-        why = " (a fault between ranks needs another rank to wait for it)" if needed > 1 else ""
-        raise UsageError(f"pytscope demo: the {args.scenario} scenario needs --ranks {needed} or more{why}")
+    try:
+        check_demo(args.scenario, args.ranks)
+    except ValueError as exc:
+        raise UsageError(f"pytscope demo: {exc}") from None
     if args.steps < 1:
         raise UsageError("pytscope demo: --steps must be at least 1")
     try:

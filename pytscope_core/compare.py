@@ -96,9 +96,8 @@ class Comparison:
     mean_ms_b: float = math.nan
     ms_per_sample_a: float = math.nan  # counted wall per sample, all ranks' samples: NaN when not recorded
     ms_per_sample_b: float = math.nan
-    severity_in_a: dict[tuple[str, tuple[int, ...]], str] = field(
-        default_factory=dict
-    )  # by key: A's severity
+    # By `Finding.key`: A's severity of each finding in `unchanged` (B's may differ).
+    severity_in_a: dict[tuple[str, tuple[int, ...]], str] = field(default_factory=dict)
 
     @property
     def median_change_pct(self) -> float:

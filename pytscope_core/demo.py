@@ -47,10 +47,7 @@ def run_demo(
     (`demo_run_dir`)."""
     import torch.multiprocessing as mp
 
-    if scenario not in SCENARIOS:
-        raise ValueError(f"unknown scenario {scenario!r} (choose from {', '.join(SCENARIOS)})")
-    if ranks < NEEDS_RANKS.get(scenario, 1):
-        raise ValueError(f"the {scenario} scenario needs --ranks {NEEDS_RANKS.get(scenario, 1)} or more")
+    check_demo(scenario, ranks)
     path = demo_run_dir(scenario, run_dir)
     options = dict(scenario=scenario, steps=steps, run_dir=str(path), interval=interval, console=console)
     try:
@@ -62,6 +59,16 @@ def run_demo(
             raise
         print(f"the job ended with exit code {exc.exit_code} after the hang was detected (on_hang='abort')")
     return path
+
+
+def check_demo(scenario: str, ranks: int) -> None:
+    """ValueError, saying why, for a scenario that does not exist or cannot be shown on `ranks` ranks."""
+    if scenario not in SCENARIOS:
+        raise ValueError(f"unknown scenario {scenario!r} (choose from {', '.join(SCENARIOS)})")
+    needed = NEEDS_RANKS.get(scenario, 1)
+    if ranks < needed:
+        why = " (a fault between ranks needs another rank to wait for it)" if needed > 1 else ""
+        raise ValueError(f"the {scenario} scenario needs --ranks {needed} or more{why}")
 
 
 def demo_run_dir(scenario: str, run_dir: str | os.PathLike[str] | None) -> Path:
@@ -90,7 +97,7 @@ def _worker(rank: int, world: int, port: int, options: dict[str, Any]) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     scenario, steps = options["scenario"], options["steps"]
     try:
-        model, loader = _job(rank, world, steps, input_spin_ms=INPUT_SPIN_MS if scenario == "input" else 0.0)
+        model, loader = _job(rank, steps, input_spin_ms=INPUT_SPIN_MS if scenario == "input" else 0.0)
         ddp = torch.nn.parallel.DistributedDataParallel(model)
         optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
         scope = Scope(
@@ -120,7 +127,7 @@ def _worker(rank: int, world: int, port: int, options: dict[str, Any]) -> None:
         dist.destroy_process_group()
 
 
-def _job(rank: int, world: int, steps: int, input_spin_ms: float) -> tuple[Any, Any]:
+def _job(rank: int, steps: int, input_spin_ms: float) -> tuple[Any, Any]:
     """The model and this rank's loader: its own shard of samples of one teacher (the same map on every rank),
     made here, so a rank's memory does not grow with the number of ranks."""
     import torch

@@ -170,12 +170,15 @@ def read_rank_files(
             raise NotADirectoryError(errno.ENOTDIR, "not a folder")
         return np.empty((0, NCOLS)), {}
     names = sorted(os.listdir(folder))  # (unlike glob, says when the folder cannot be listed)
+
+    def rank_files(suffix: str) -> list[str]:
+        return [n for n in names if n.startswith("rank") and n.endswith(suffix) and (folder / n).is_file()]
+
     parts = [
         _read_or_note(
             partial(read_rows, folder, columns, name=n), f"ranks/{n}", problems, np.empty((0, NCOLS))
         )
-        for n in names
-        if n.startswith("rank") and n.endswith(".f64") and (folder / n).is_file()
+        for n in rank_files(".f64")
     ]
     rows = np.concatenate(parts) if parts else np.empty((0, NCOLS))
     if rows.size:  # keep each (rank, segment, step) once, and only if no gather brought it already
@@ -188,7 +191,7 @@ def read_rank_files(
         rows = rows[keep]
     every = np.concatenate([known, rows])
     reasons: dict[int, str] = {}
-    for n in (n for n in names if n.startswith("rank") and n.endswith(".jsonl") and (folder / n).is_file()):
+    for n in rank_files(".jsonl"):
         text = _read_or_note(partial((folder / n).read_text, errors="replace"), f"ranks/{n}", problems, "")
         for line in text.splitlines():
             try:

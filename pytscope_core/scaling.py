@@ -177,8 +177,9 @@ def scaling_points(runs: Sequence[Run], target_loss: float | None = None, weak: 
     pieced = [
         (p, tuple(s.index for s in p.context.segments) if len(ps) > 1 else ()) for _, ps in split for p in ps
     ]
-    empty = [str(p.path) for p, _ in pieced if not _has_counted_steps(p)]
-    pieced = [(p, part) for p, part in pieced if _has_counted_steps(p)]
+    counted = [_has_counted_steps(p) for p, _ in pieced]
+    empty = [str(p.path) for (p, _), ok in zip(pieced, counted, strict=True) if not ok]
+    pieced = [piece for piece, ok in zip(pieced, counted, strict=True) if ok]
     if not pieced:
         raise NothingToScale("no run has counted steps")
     runs, parts = [p for p, _ in pieced], [part for _, part in pieced]
