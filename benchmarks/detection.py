@@ -39,7 +39,10 @@ AR(1) noise, phi 0.9), or on the still-falling ones, is false.
 
 **Real gloo runs**: 2 spawned processes train a small DDP MLP under `Scope`; rank 1 busy-waits every step
 for the slowdown x its own plain step time (measured before training, same on both ranks); the run
-directory is then diagnosed on growing prefixes like the simulations.
+directory is then diagnosed on growing prefixes like the simulations. Each slowdown runs `--gloo-runs` times
+(3): on 2 shared cores a run's ranks differ by more than a 5-10% delay from run to run (the other rank, the
+ingest thread and the watchdog share the cores), so one run says little. Each run prints the local-work gap
+it measured next to the delay injected.
 
 Budgets (SPEC 9): 10% among 4 found within 200 steps; no false straggler; under 1% false worsening.
 Slowdowns below the straggler rule's 4.5% excess floor (analysis/distributed.py) are not reported by design.
@@ -368,6 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="smoke size")
     parser.add_argument("--seeds", type=int, default=None, help="seeds per (ranks, slowdown)")
     parser.add_argument("--no-gloo", action="store_true", help="skip the real 2-rank runs")
+    parser.add_argument("--gloo-runs", type=int, default=None, help="real 2-rank runs per slowdown (3)")
     parser.add_argument(
         "--loss-only",
         action="store_true",
@@ -427,19 +431,25 @@ def main(argv: list[str] | None = None) -> int:
 
     gloo: list[dict[str, Any]] = []
     if not (args.no_gloo or args.loss_only):
-        print("real 2-rank gloo runs (rank 1 busy-waits slowdown x its plain step time)")
+        runs = args.gloo_runs or (1 if q else 3)
+        print(
+            f"real 2-rank gloo runs (rank 1 busy-waits slowdown x its plain step time), {runs} per slowdown"
+        )
         with tempfile.TemporaryDirectory(prefix="pytscope-detect-") as tmp:
             for slowdown in [0.10] if q else [0.0, 0.02, 0.05, 0.10, 0.20]:
-                r = gloo_run(slowdown, 150 if q else 400, every, Path(tmp))
-                gloo.append(r)
-                local = " / ".join(f"{v:.2f}" for v in r["local_ms"])
-                print(
-                    f"  +{100 * slowdown:3.0f}% (spin {r['spin_ms']:.2f} ms): local work {local} ms; "
-                    f"DIST.STRAGGLER at the end names {list(r['named_at_end']) if r['named_at_end'] else 'nobody'}; "
-                    f"first named rank 1 at step {r['first']}"
-                    + (f"; errors {r['errors']}" if r["errors"] else ""),
-                    flush=True,
-                )
+                for i in range(runs):
+                    r = gloo_run(slowdown, 150 if q else 400, every, Path(tmp) / str(i))
+                    gloo.append(r)
+                    local = " / ".join(f"{v:.2f}" for v in r["local_ms"])
+                    print(
+                        f"  +{100 * slowdown:3.0f}% (spin {r['spin_ms']:.2f} ms): local work {local} ms (gap "
+                        f"{r['local_ms'][1] - r['local_ms'][0]:+.2f}); DIST.STRAGGLER at the end names "
+                        f"{list(r['named_at_end']) if r['named_at_end'] else 'nobody'}; first named rank 1 at step "
+                        f"{r['first']}"
+                        + ("; rank 0 named first" if r["misnamed"] else "")
+                        + (f"; errors {r['errors']}" if r["errors"] else ""),
+                        flush=True,
+                    )
 
     print()
     print("verdicts")
@@ -457,10 +467,13 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"  under 1% false worsening (iid): {100 * worse_iid / curves:.1f}%: {'met' if worse_iid < 0.01 * curves else 'MISSED'}"
     )
-    for r in gloo:
-        if r["slowdown"] == 0.10:
-            ok = r["named_at_end"] == (1,) and r["first"] is not None and r["first"] <= 200
-            print(f"  real gloo 10%: rank 1 named by step {r['first']}: {'met' if ok else 'MISSED'}")
+    ten = [r for r in gloo if r["slowdown"] == 0.10]
+    if ten:
+        named = sum(r["named_at_end"] == (1,) and r["first"] is not None and r["first"] <= 200 for r in ten)
+        print(
+            f"  real gloo 10%: rank 1 named by step 200 and at the end in {named}/{len(ten)} runs: "
+            f"{'met' if named == len(ten) else 'MISSED'}"
+        )
     return 0
 
 

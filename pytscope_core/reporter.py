@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from .findings import Finding, Severity
+from .output import progress_bars_cleared
 from .parallelism import comm_note
 from .rundir import RunWriter
 
@@ -37,7 +38,7 @@ class RunReporter:
         self._messages_lock = threading.Lock()
         note = comm_note(meta.get("parallelism"), meta.get("comm_measured") is not False)
         if self.console is not None and note is not None:  # once, when the run starts
-            self.console.print(f"[bold]pytscope[/]: {escape(note)}", markup=True, highlight=False)
+            self._print(f"[bold]pytscope[/]: {escape(note)}", markup=True, highlight=False)
 
     def segment(self, **fields: Any) -> None:
         self.writer.event("segment", **fields)
@@ -57,8 +58,7 @@ class RunReporter:
         if self.console is not None and findings:
             from .render import render_findings
 
-            self.console.print(f"[bold]pytscope[/] step {step}:")
-            self.console.print(render_findings(findings))
+            self._print(f"[bold]pytscope[/] step {step}:", render_findings(findings))
 
     def cleared(self, findings: list[Finding], step: int) -> None:
         """Findings said live that the latest diagnosis no longer makes."""
@@ -66,10 +66,12 @@ class RunReporter:
         if self.console is not None:
             from rich.markup import escape
 
-            for f in findings:
-                self.console.print(
+            self._print(
+                *(
                     f"[bold]pytscope[/] step {step}: no longer found: {escape(f.title)} ({f.code})"
+                    for f in findings
                 )
+            )
 
     def hang(self, finding: Finding, step: int, segment: int = 0) -> None:
         # When, and in which launch: the job was alive, stuck, until then (goodput counts that time).
@@ -78,10 +80,10 @@ class RunReporter:
             from .render import render_findings
 
             hang = finding.severity is Severity.HIGH  # (MED: no rank progresses, and no hang is proven)
-            self.console.print(
-                "[bold red]pytscope: hang detected[/]" if hang else "[bold]pytscope: no progress[/]"
+            self._print(
+                "[bold red]pytscope: hang detected[/]" if hang else "[bold]pytscope: no progress[/]",
+                render_findings([finding]),
             )
-            self.console.print(render_findings([finding]))
 
     def messages(self, errors: list[str], notes: list[str]) -> None:
         """The scope's own errors and its notes on what it could not measure, each written once (as they come:
@@ -113,10 +115,15 @@ class RunReporter:
             text.print(render_summary(summary))
             self.writer.write_summary(summary.to_dict(), text.export_text())
         if self.console is not None:
-            self.console.print(render_summary(summary))
             where = escape(str(self.run_dir))
-            self.console.print(f"[dim]run directory: {where}  (pytscope report {where})[/]")
+            self._print(render_summary(summary), f"[dim]run directory: {where}  (pytscope report {where})[/]")
         return summary
 
     def close(self) -> None:
         self.writer.close()
+
+    def _print(self, *items: Any, **options: Any) -> None:
+        """Each of `items` on the console, with the training's progress bars out of the way."""
+        with progress_bars_cleared():
+            for item in items:
+                self.console.print(item, **options)

@@ -33,6 +33,7 @@ from .findings import Finding
 from .flops import StepFlops
 from .hooks import TorchHooks
 from .options import ScopeOptions
+from .output import say
 from .parallelism import UNWATCHED, current_rank, current_world_size, detect
 from .recorder import StepRecorder
 from .session import RunSession
@@ -336,7 +337,7 @@ class Scope:
             self.say(message)
 
     def say(self, message: str) -> None:
-        print(f"pytscope[rank {self.rank}]: {message}", file=sys.stderr, flush=True)
+        say(self.rank, message)
 
 
 PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")

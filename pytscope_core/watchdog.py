@@ -28,6 +28,7 @@ from typing import Any
 
 from .coordinator import STORE_ERRORS
 from .findings import Finding, Severity, format_ranks
+from .output import say
 from .placement import Placement
 from .recorder import StepRecorder
 from .timeline import Mark
@@ -414,7 +415,7 @@ class Watchdog(threading.Thread):
                     abort = self._judge()
             except STORE_ERRORS as exc:  # the store went away (job ending): stop quietly, never hurt training
                 if not self.stopped.is_set():
-                    _say(self.rank, f"watchdog stopped: {type(exc).__name__}: {exc}")
+                    say(self.rank, f"watchdog stopped: {type(exc).__name__}: {exc}")
                 return
             if abort is not None:
                 self._on_hang(abort)  # (returns only when the job goes on: watching goes on too)
@@ -439,7 +440,7 @@ class Watchdog(threading.Thread):
         try:
             fn(*args)
         except Exception as exc:  # one failing step of the hang path must not cancel the others
-            _say(self.rank, f"could not {what}: {type(exc).__name__}: {exc}")
+            say(self.rank, f"could not {what}: {type(exc).__name__}: {exc}")
 
     def _beat(self) -> None:
         rec = self.recorder
@@ -518,7 +519,7 @@ class Watchdog(threading.Thread):
             return
         if self.rank == 0 and self.store is not None:
             self._attempt("wait for the other ranks' stacks", self._wait_for_dumps)
-        _say(self.rank, f"hang detected, exiting with code {HANG_EXIT_CODE} (on_hang='abort')")
+        say(self.rank, f"hang detected, exiting with code {HANG_EXIT_CODE} (on_hang='abort')")
         sys.stdout.flush()
         os._exit(HANG_EXIT_CODE)
 
@@ -547,7 +548,3 @@ def read_beats(store: Any, keys: list[str], present: set[int] | None = None) -> 
         out.update({i: store.get(keys[i]) for i in rest if store.check([keys[i]])})
     present.update(out)
     return out
-
-
-def _say(rank: int, message: str) -> None:
-    print(f"pytscope[rank {rank}]: {message}", file=sys.stderr, flush=True)

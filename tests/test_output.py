@@ -1,0 +1,92 @@
+"""Live output shares the console with the training's progress bars (Lightning's tqdm bar, a loop's own
+`tqdm(loader)`): what pytscope prints starts on a line of its own, and the bars are drawn again after it."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+
+from tqdm import tqdm  # (a dependency of Lightning's and Accelerate's)
+
+from pytscope_core.findings import Finding, Severity
+from pytscope_core.output import progress_bars_cleared, say
+from pytscope_core.reporter import RunReporter
+
+
+def finding() -> Finding:
+    return Finding("DIST.STRAGGLER", Severity.HIGH, "Rank 1 is a straggler", "1.2 ms per step", "Balance it")
+
+
+def line_before(text: str, marker: str) -> str:
+    """What stands on the same output line before `marker` (a carriage return starts the line again)."""
+    head = text[: text.index(marker)]
+    return head[head.rfind("\n") + 1 :].rsplit("\r", 1)[-1]
+
+
+def drawn_bar() -> tqdm:
+    bar = tqdm(total=10, file=sys.stdout, ascii=True, mininterval=0, miniters=1, desc="Epoch 0")
+    bar.update(3)
+    return bar
+
+
+def test_a_live_finding_starts_on_its_own_line_and_the_bar_is_drawn_again_after_it(tmp_path, capsys):
+    reporter = RunReporter(tmp_path / "run", {"world_size": 2}, console=True)
+    bar = drawn_bar()
+    try:
+        reporter.findings([finding()], step=50)
+        text = capsys.readouterr().out
+        assert "Epoch 0" in text[: text.index("pytscope step 50")]  # the bar was on screen
+        assert line_before(text, "pytscope step 50").strip() == ""  # ...and was cleared first
+        assert "3/10" in text[text.index("Balance it") :]  # ...and is drawn again after
+    finally:
+        bar.close()
+        reporter.close()
+
+
+def test_a_warning_on_stderr_clears_a_bar_on_stdout_too(capsys):
+    bar = drawn_bar()
+    try:
+        capsys.readouterr()
+        say(1, "a warning")
+        out, err = capsys.readouterr()
+        assert err == "pytscope[rank 1]: a warning\n"
+        cleared_and_drawn = out
+        assert cleared_and_drawn.startswith("\r") and "3/10" in cleared_and_drawn
+    finally:
+        bar.close()
+
+
+def test_a_bar_holding_its_lock_delays_a_print_by_the_wait_at_most(capsys):
+    bar = drawn_bar()
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:  # a bar stuck writing (its reader stopped reading) holds tqdm's lock
+        with tqdm.get_lock():
+            held.set()
+            release.wait(30)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        held.wait(5)
+        t0 = time.monotonic()
+        with progress_bars_cleared(wait_s=0.2):
+            print("pytscope: said anyway")
+        assert time.monotonic() - t0 < 5
+        assert "pytscope: said anyway" in capsys.readouterr().out
+    finally:
+        release.set()
+        holder.join()
+    try:
+        with progress_bars_cleared(wait_s=0.2):  # the locks were given back: this print clears the bar again
+            print("pytscope: next")
+        assert line_before(capsys.readouterr().out, "pytscope: next").strip() == ""
+    finally:
+        bar.close()
+
+
+def test_without_a_bar_the_output_is_exactly_what_was_printed(capsys):
+    with progress_bars_cleared():
+        print("pytscope: plain")
+    assert capsys.readouterr().out == "pytscope: plain\n"
