@@ -14,20 +14,44 @@ PROGRESS_LOCK_WAIT_S = 1.0
 """How long a print waits for tqdm's lock before it goes out without clearing the bars."""
 
 
+def show(console: Any, *items: Any, **options: Any) -> None:
+    """Each of `items` printed on `console` (rich), out of the way of the training's progress bars: above a
+    rich live display (Lightning's default `RichProgressBar`, `rich.progress`), which is drawn again below
+    it, and with tqdm's bars cleared and drawn again after (`progress_bars_cleared`)."""
+    live = live_console()
+    with progress_bars_cleared():
+        (live or console).print(*items, sep="\n", **options)  # (one print: the display is drawn again once)
+
+
+def live_console() -> Any:
+    """rich's global console while a live display draws on it, else None. Text printed through that console
+    goes above the display; another console would write straight to the terminal, into the display (rich's
+    redirection of `sys.stdout` hands rich consoles the real file)."""
+    if "rich.live" not in sys.modules:  # no live display without it
+        return None
+    from rich import get_console
+
+    console = get_console()
+    return console if getattr(console, "_live_stack", None) or getattr(console, "_live", None) else None
+
+
 @contextmanager
 def progress_bars_cleared(wait_s: float = PROGRESS_LOCK_WAIT_S) -> Iterator[None]:
-    """tqdm's progress bars (Lightning's default bar, a loop's own `tqdm(loader)`) cleared while pytscope
+    """tqdm's progress bars (Lightning's `TQDMProgressBar`, a loop's own `tqdm(loader)`) cleared while pytscope
     prints, and drawn again after, as `tqdm.write` does: else a live finding starts mid-line, after half a bar.
 
     It never waits long, so a hang report cannot be held up by a bar that is stuck writing: when tqdm's
     lock is not free within `wait_s`, the text goes out as it is. Nothing is done, and no lock is made,
     while no bar exists (tqdm makes its multiprocessing lock lazily; making it early would fix the
     process's start method)."""
-    bar_class = getattr(
-        sys.modules.get("tqdm.std"), "tqdm", None
-    )  # (tqdm.auto's and Lightning's derive from it)
-    locks = getattr(getattr(bar_class, "_lock", None), "locks", None)
-    if not getattr(bar_class, "_instances", None) or not locks:
+    # (Every tqdm bar's class derives from tqdm.std's.)
+    bar_class: Any = getattr(sys.modules.get("tqdm.std"), "tqdm", None)
+    if not getattr(bar_class, "_instances", None):
+        yield
+        return
+    # Each class keeps the lock it made first (Lightning's bar has its own), over locks they all share.
+    locks = getattr(bar_class.get_lock(), "locks", None)
+    if not locks:
         yield
         return
     taken = []
@@ -38,7 +62,7 @@ def progress_bars_cleared(wait_s: float = PROGRESS_LOCK_WAIT_S) -> Iterator[None
     cleared = None
     try:
         if len(taken) == len(locks):
-            cleared = _entered(bar_class.external_write_mode(nolock=True))  # type: ignore[union-attr]
+            cleared = _entered(bar_class.external_write_mode(nolock=True))
         yield
     finally:
         if cleared is not None:
@@ -48,7 +72,8 @@ def progress_bars_cleared(wait_s: float = PROGRESS_LOCK_WAIT_S) -> Iterator[None
 
 
 def say(rank: int, message: str) -> None:
-    """One line from the scope on this rank's standard error (a warning, an error of its own)."""
+    """One line from the scope on this rank's standard error (a warning, an error of its own). A rich live
+    display that redirects `sys.stderr` puts it above itself; tqdm's bars are cleared for it."""
     with progress_bars_cleared():
         print(f"pytscope[rank {rank}]: {message}", file=sys.stderr, flush=True)
 

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from .findings import Finding, Severity
-from .output import progress_bars_cleared
+from .output import show
 from .parallelism import comm_note
 from .rundir import RunWriter
 
@@ -123,7 +123,4 @@ class RunReporter:
         self.writer.close()
 
     def _print(self, *items: Any, **options: Any) -> None:
-        """Each of `items` on the console, with the training's progress bars out of the way."""
-        with progress_bars_cleared():
-            for item in items:
-                self.console.print(item, **options)
+        show(self.console, *items, **options)  # (out of the way of the training's progress bars)

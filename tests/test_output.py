@@ -10,7 +10,7 @@ import time
 from tqdm import tqdm  # (a dependency of Lightning's and Accelerate's)
 
 from pytscope_core.findings import Finding, Severity
-from pytscope_core.output import progress_bars_cleared, say
+from pytscope_core.output import progress_bars_cleared, say, show
 from pytscope_core.reporter import RunReporter
 
 
@@ -42,6 +42,22 @@ def test_a_live_finding_starts_on_its_own_line_and_the_bar_is_drawn_again_after_
     finally:
         bar.close()
         reporter.close()
+
+
+def test_a_bar_of_a_subclass_that_made_its_own_lock_first_is_cleared_too(tmp_path, capsys, monkeypatch):
+    monkeypatch.delattr(tqdm, "_lock", raising=False)  # no tqdm bar yet in this process
+
+    class LightningStyleBar(tqdm):  # (Lightning's bar derives from tqdm.auto's)
+        pass
+
+    bar = LightningStyleBar(total=10, file=sys.stdout, ascii=True, mininterval=0, miniters=1, desc="Epoch 0")
+    bar.update(3)
+    try:
+        with progress_bars_cleared(wait_s=0.2):
+            print("pytscope step 50:")
+        assert line_before(capsys.readouterr().out, "pytscope step 50:").strip() == ""
+    finally:
+        bar.close()
 
 
 def test_a_warning_on_stderr_clears_a_bar_on_stdout_too(capsys):
@@ -90,3 +106,29 @@ def test_without_a_bar_the_output_is_exactly_what_was_printed(capsys):
     with progress_bars_cleared():
         print("pytscope: plain")
     assert capsys.readouterr().out == "pytscope: plain\n"
+
+
+def test_a_live_finding_goes_above_a_rich_progress_display_through_its_console(monkeypatch):
+    import io
+
+    import rich
+    from rich.console import Console
+    from rich.progress import Progress
+
+    terminal = Console(file=io.StringIO(), force_terminal=True, width=80, color_system=None)
+    monkeypatch.setattr(rich, "_console", terminal)  # the global console, as Lightning's RichProgressBar uses
+    ours = Console(file=io.StringIO(), width=80)
+    progress = Progress(console=rich.get_console(), auto_refresh=False)
+    progress.start()
+    try:
+        progress.add_task("Epoch 0", total=10, completed=3)
+        progress.refresh()
+        show(ours, "pytscope step 50:", "[LOW] a finding")
+        progress.refresh()
+    finally:
+        progress.stop()
+    text = terminal.file.getvalue()
+    assert ours.file.getvalue() == ""  # not written past the display, straight into the terminal
+    assert "Epoch 0" in text[: text.index("pytscope step 50:")]
+    assert line_before(text, "pytscope step 50:") == "\x1b[2K"  # the display's line was erased first
+    assert text.index("[LOW] a finding") < text.rindex("Epoch 0")  # ...and it is drawn again below
