@@ -181,6 +181,14 @@ def cmd_scaling(args: argparse.Namespace) -> int:
         )
     except NothingToScale as exc:
         raise UsageError(f"pytscope scaling: {exc}: nothing to scale") from None
+    cannot_write_plot = f"pytscope scaling: cannot write {args.plot}"
+    if args.plot:  # a path that cannot be written fails before the table is printed
+        if Path(args.plot).is_dir():
+            raise UsageError(f"{cannot_write_plot}: it is a folder (give a file name, e.g. scaling.png)")
+        try:
+            Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise _cannot_write(cannot_write_plot, exc) from None
     if args.json:
         print(json.dumps(result.to_dict(), indent=1, allow_nan=False))
     else:
@@ -189,7 +197,7 @@ def cmd_scaling(args: argparse.Namespace) -> int:
         try:
             path = write_scaling_plot(result, args.plot)
         except OSError as exc:
-            raise _cannot_write(f"pytscope scaling: cannot write {args.plot}", exc) from None
+            raise _cannot_write(cannot_write_plot, exc) from None
         print(f"wrote {path}", file=sys.stderr if args.json else sys.stdout)
     return EXIT_OK
 

@@ -281,41 +281,32 @@ def _fmt(x: float | None, fmt: str = ".2f", unit: str = "") -> str:
 
 
 def render_scaling(s: Scaling) -> RenderableType:
-    """The scaling table, where the time goes per worker count, and the warnings."""
+    """The scaling table, where the step's time goes per worker count (a table of its own: together they are
+    too wide for an 80-column terminal), and the warnings."""
     from rich.console import Group
-    from rich.table import Table
     from rich.text import Text
 
-    headers = ["workers", s.unit, "speedup", "effic.", "step ms", "compute", "comm", "wait", "data"]
+    scaling: list[tuple[str, list[str]]] = [
+        ("workers", [str(p.world_size) for p in s.points]),
+        (s.unit, [_fmt(p.throughput, ".1f") for p in s.points]),
+        ("speedup", [_fmt(p.speedup, ".2f", "x") for p in s.points]),
+        ("efficiency", [_fmt(100 * p.efficiency, ".0f", "%") for p in s.points]),
+        ("step ms", [_fmt(p.median_step_ms) for p in s.points]),
+    ]
     if s.target_loss is not None:
-        headers += ["to target s", "worker-s"]
-    headers.append("run")
-    rows = []
-    for p in s.points:
-        compute = p.phase_shares.get("forward", math.nan) + p.phase_shares.get("backward", math.nan)
-        row = [
-            str(p.world_size),
-            _fmt(p.throughput, ".1f"),
-            _fmt(p.speedup, ".2f", "x"),
-            _fmt(100 * p.efficiency, ".0f", "%"),
-            _fmt(p.median_step_ms),
-            _fmt(100 * compute, ".1f", "%"),
-            _fmt(100 * p.comm_share, ".1f", "%"),
-            _fmt(100 * p.sync_wait_share, ".1f", "%"),
-            _fmt(100 * p.data_share, ".1f", "%"),
-        ]
-        if s.target_loss is not None:
-            row += [_fmt(p.seconds_to_target, ".1f"), _fmt(p.worker_seconds_to_target, ".1f")]
-        rows.append([*row, p.label])
-    # Numbers never shrink below their width (an ellipsis would hide them); narrow terminals wrap headers instead.
-    table = Table(box=None, pad_edge=False, padding=(0, 0, 0, 1))
-    for i, name in enumerate(headers):
-        if name == "run":  # a run's name may wrap; the numbers may not
-            table.add_column(name, justify="left")
-        else:
-            table.add_column(name, justify="right", min_width=max((len(r[i]) for r in rows), default=1))
-    for row in rows:
-        table.add_row(*row[:-1], Text(row[-1]))  # a run's name is not markup
+        scaling.append(("to target s", [_fmt(p.seconds_to_target, ".1f") for p in s.points]))
+        scaling.append(("worker-s", [_fmt(p.worker_seconds_to_target, ".1f") for p in s.points]))
+    compute = [
+        p.phase_shares.get("forward", math.nan) + p.phase_shares.get("backward", math.nan) for p in s.points
+    ]
+    shares = [
+        ("workers", [str(p.world_size) for p in s.points]),
+        ("compute", [_fmt(100 * c, ".1f", "%") for c in compute]),
+        ("comm", [_fmt(100 * p.comm_share, ".1f", "%") for p in s.points]),
+        ("wait", [_fmt(100 * p.sync_wait_share, ".1f", "%") for p in s.points]),
+        ("data", [_fmt(100 * p.data_share, ".1f", "%") for p in s.points]),
+    ]
+    labels = [p.label for p in s.points]
     base = (
         "the 1-worker run"
         if s.base_is_single_worker
@@ -323,10 +314,10 @@ def render_scaling(s: Scaling) -> RenderableType:
     )
     parts: list[RenderableType] = [
         Text("Scaling", style="bold underline"),
-        table,
+        _table(scaling, labels),
         Text(
-            f"throughput in {s.unit}; speedup = T_W / T_base, efficiency = T_W / ((W / W_base) x T_base), base: {base}; compute "
-            "(forward + backward), comm (exposed), wait (sync wait inside comm) and data are shares of step wall",
+            f"throughput in {s.unit}; speedup = T_W / T_base, efficiency = T_W / ((W / W_base) x T_base), base: "
+            f"{base}",
             style="dim",
         ),
     ]
@@ -338,8 +329,32 @@ def render_scaling(s: Scaling) -> RenderableType:
                 style="dim",
             )
         )
+    parts += [
+        Text(""),
+        Text("Where the step goes", style="bold underline"),
+        _table(shares, labels),
+        Text(
+            "shares of step wall: compute (forward + backward), comm (exposed), wait (sync wait inside comm), data",
+            style="dim",
+        ),
+    ]
     parts.extend(Text(f"warning: {w}", style="yellow") for w in s.warnings)
     return Group(*parts)
+
+
+def _table(columns: list[tuple[str, list[str]]], labels: list[str]) -> Any:
+    """Right-aligned number columns, then the runs' names. Numbers never shrink below their width (an
+    ellipsis would hide them); a run's name may wrap, and is not markup."""
+    from rich.table import Table
+    from rich.text import Text
+
+    table = Table(box=None, pad_edge=False, padding=(0, 0, 0, 1))
+    for name, cells in columns:
+        table.add_column(name, justify="right", min_width=max((len(c) for c in cells), default=1))
+    table.add_column("run", justify="left")
+    for i, label in enumerate(labels):
+        table.add_row(*(cells[i] for _, cells in columns), Text(label))
+    return table
 
 
 def write_scaling_plot(s: Scaling, path: str | Path) -> Path:

@@ -137,6 +137,21 @@ def test_render_lists_every_worker_count(strong_runs, tmp_path):
     assert write_scaling_plot(s, tmp_path / "p.png").read_bytes()[:8] == PNG_MAGIC
 
 
+def test_an_80_column_terminal_shows_every_header_and_number_whole(strong_runs):
+    import io
+
+    from rich.console import Console
+
+    s = scaling_points([load_run(p) for p in strong_runs], target_loss=1.0)
+    console = Console(file=io.StringIO(), width=80, color_system=None)
+    console.print(render_scaling(s))
+    text = console.file.getvalue()
+    assert "…" not in text
+    for header in ("workers samples/s speedup efficiency step ms", "compute  comm wait  data run"):
+        assert header in text
+    assert "6400.0" in text and "5.0 w4" in text
+
+
 @pytest.mark.parametrize("make", ["missing", "junk", "file"])
 def test_bad_input_exits_2_with_one_line(tmp_path, capsys, make):
     good = _run(tmp_path, 1, 64.0)
@@ -168,6 +183,18 @@ def test_a_run_without_counted_steps_is_left_out_and_changes_no_other_point(stro
     assert any("warm has no counted steps" in n for n in s.warnings)
     assert main(["scaling", str(tmp_path / "early")]) == 2
     assert "nothing to scale" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("where", ["folder", "under_a_file"])
+def test_a_plot_that_cannot_be_written_exits_2_before_the_table_is_printed(
+    strong_runs, tmp_path, capsys, where
+):
+    (tmp_path / "a_file").write_text("")
+    plot = tmp_path if where == "folder" else tmp_path / "a_file" / "scaling.png"
+    rc = main(["scaling", *map(str, strong_runs), "--plot", str(plot)])
+    out, err = capsys.readouterr()
+    assert rc == 2 and out == ""
+    assert err.startswith(f"pytscope scaling: cannot write {plot}: ") and len(err.strip().splitlines()) == 1
 
 
 def test_bad_target_loss_exits_2(tmp_path, capsys):
