@@ -51,7 +51,13 @@ class ScopeOptions:
         default="abort",
         metadata=_doc('`"abort"`: every rank exits with code 86 after the report; `"report"`: report only'),
     )
-    console: bool = field(default=True, metadata=_doc("live findings and the summary on rank 0's console"))
+    console: bool = field(
+        default=True,
+        metadata=_doc(
+            "live findings and the summary on rank 0's console (above a progress bar: Lightning's rich or tqdm "
+            "bar, a loop's own `tqdm`, drawn again below)"
+        ),
+    )
     flops_per_step: float | None = field(
         default=None,
         metadata=_doc(
