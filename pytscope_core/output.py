@@ -4,6 +4,7 @@ and live output that does not cut into the training's progress bars."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from collections.abc import Iterator
@@ -36,14 +37,14 @@ def live_console() -> Any:
 
 
 @contextmanager
-def progress_bars_cleared(wait_s: float = PROGRESS_LOCK_WAIT_S) -> Iterator[None]:
+def progress_bars_cleared(wait_s: float = PROGRESS_LOCK_WAIT_S, redraw: bool = True) -> Iterator[None]:
     """tqdm's progress bars (Lightning's `TQDMProgressBar`, a loop's own `tqdm(loader)`) cleared while pytscope
     prints, and drawn again after, as `tqdm.write` does: else a live finding starts mid-line, after half a bar.
 
     It never waits long, so a hang report cannot be held up by a bar that is stuck writing: when tqdm's
     lock is not free within `wait_s`, the text goes out as it is. Nothing is done, and no lock is made,
     while no bar exists (tqdm makes its multiprocessing lock lazily; making it early would fix the
-    process's start method)."""
+    process's start method). `redraw=False` leaves them cleared (the process is ending)."""
     # (Every tqdm bar's class derives from tqdm.std's.)
     bar_class: Any = getattr(sys.modules.get("tqdm.std"), "tqdm", None)
     if not getattr(bar_class, "_instances", None):
@@ -65,7 +66,7 @@ def progress_bars_cleared(wait_s: float = PROGRESS_LOCK_WAIT_S) -> Iterator[None
             cleared = _entered(bar_class.external_write_mode(nolock=True))
         yield
     finally:
-        if cleared is not None:
+        if cleared is not None and redraw:
             _exited(cleared)
         for lock in reversed(taken):
             lock.release()
@@ -73,9 +74,36 @@ def progress_bars_cleared(wait_s: float = PROGRESS_LOCK_WAIT_S) -> Iterator[None
 
 def say(rank: int, message: str) -> None:
     """One line from the scope on this rank's standard error (a warning, an error of its own). A rich live
-    display that redirects `sys.stderr` puts it above itself; tqdm's bars are cleared for it."""
+    display that redirects `sys.stderr` puts it above itself; tqdm's bars are cleared for it. Another rank
+    cannot clear rank 0's bar in the terminal they share: its line starts on a line of its own."""
     with progress_bars_cleared():
-        print(f"pytscope[rank {rank}]: {message}", file=sys.stderr, flush=True)
+        print(_line(rank, message), file=sys.stderr, flush=True)
+
+
+def say_last(rank: int, message: str) -> None:
+    """The scope's last line before it ends the process (a hang's abort): tqdm's bars are left cleared, and a
+    rich display's hidden cursor is shown again, so that the shell's prompt or the launcher's report starts
+    on a line of its own in a usable terminal."""
+    live = live_console()
+    with progress_bars_cleared(redraw=False):
+        print(_line(rank, message), file=sys.stderr, flush=True)
+    if live is not None:
+        with contextlib.suppress(Exception):
+            live.show_cursor(True)
+            live.file.write("\n")  # (below the display, which stays drawn)
+            live.file.flush()
+
+
+def _line(rank: int, message: str) -> str:
+    own_line = rank != 0 and _isatty(sys.stderr)
+    return f"{chr(10) if own_line else ''}pytscope[rank {rank}]: {message}"
+
+
+def _isatty(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except Exception:  # (a closed or stand-in stream)
+        return False
 
 
 def _entered(context: Any) -> Any:

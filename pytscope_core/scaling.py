@@ -348,7 +348,7 @@ def _table(columns: list[tuple[str, list[str]]], labels: list[str]) -> Any:
     from rich.table import Table
     from rich.text import Text
 
-    table = Table(box=None, pad_edge=False, padding=(0, 0, 0, 1))
+    table = Table(box=None, pad_edge=False, padding=(0, 0, 0, 2))  # (two spaces: headers have several words)
     for name, cells in columns:
         table.add_column(name, justify="right", min_width=max((len(c) for c in cells), default=1))
     table.add_column("run", justify="left")

@@ -331,9 +331,10 @@ class Scope:
         self.coordinator.announce_disabled()
 
     def note(self, message: str, *, error: bool = False, warn: bool = True) -> None:
-        """Keep `message` for the run: an `error` of the scope's own, or a limit of what it measures; `warn`: say it."""
+        """Keep `message` for the run: an `error` of the scope's own, or a limit of what it measures; `warn`: say
+        it (a limit, on rank 0 only: every rank runs the same loop, and would say the same)."""
         (self.errors if error else self.notes).append(message)
-        if warn:
+        if warn and (error or self.rank == 0):
             self.say(message)
 
     def say(self, message: str) -> None:

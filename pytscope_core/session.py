@@ -274,6 +274,7 @@ class RunSession:
                     "(ranks/), not in this summary; call finish() before destroy_process_group() / "
                     "accelerator.end_training()",
                     error=True,
+                    warn=self.rank == 0,  # (every rank would say the same, from rank 0's side)
                 )
                 coordinator.gatherer = None
                 if self.rank != 0:  # rank 0 writes its own below, as a process of its own
@@ -293,7 +294,8 @@ class RunSession:
         """End without meeting the other ranks: this rank's rows go to its own file; rank 0 reports."""
         self.stop_watching()
         self.flush_own_rows(reason)
-        self.scope.note(f"stopped without a final gather: {reason}", error=True, warn=False)
+        # (Not an error of the scope's: the training ended it, e.g. an exception or Ctrl-C in fit().)
+        self.scope.note(f"stopped without a final gather: {reason}", warn=False)
         return self.report()
 
     def report(self) -> Any:

@@ -28,7 +28,7 @@ from typing import Any
 
 from .coordinator import STORE_ERRORS
 from .findings import Finding, Severity, format_ranks
-from .output import say
+from .output import say, say_last
 from .placement import Placement
 from .recorder import StepRecorder
 from .timeline import Mark
@@ -519,7 +519,7 @@ class Watchdog(threading.Thread):
             return
         if self.rank == 0 and self.store is not None:
             self._attempt("wait for the other ranks' stacks", self._wait_for_dumps)
-        say(self.rank, f"hang detected, exiting with code {HANG_EXIT_CODE} (on_hang='abort')")
+        say_last(self.rank, f"hang detected, exiting with code {HANG_EXIT_CODE} (on_hang='abort')")
         sys.stdout.flush()
         os._exit(HANG_EXIT_CODE)
 

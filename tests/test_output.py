@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import io
 import sys
 import threading
 import time
@@ -10,7 +11,7 @@ import time
 from tqdm import tqdm  # (a dependency of Lightning's and Accelerate's)
 
 from pytscope_core.findings import Finding, Severity
-from pytscope_core.output import progress_bars_cleared, say, show
+from pytscope_core.output import progress_bars_cleared, say, say_last, show
 from pytscope_core.reporter import RunReporter
 
 
@@ -109,8 +110,6 @@ def test_without_a_bar_the_output_is_exactly_what_was_printed(capsys):
 
 
 def test_a_live_finding_goes_above_a_rich_progress_display_through_its_console(monkeypatch):
-    import io
-
     import rich
     from rich.console import Console
     from rich.progress import Progress
@@ -132,3 +131,50 @@ def test_a_live_finding_goes_above_a_rich_progress_display_through_its_console(m
     assert "Epoch 0" in text[: text.index("pytscope step 50:")]
     assert line_before(text, "pytscope step 50:") == "\x1b[2K"  # the display's line was erased first
     assert text.index("[LOW] a finding") < text.rindex("Epoch 0")  # ...and it is drawn again below
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_another_ranks_line_starts_a_line_of_its_own_in_a_terminal_shared_with_rank_0s_bar(monkeypatch):
+    for stream, rank, expected in (
+        (Terminal(), 1, "\npytscope[rank 1]: hi\n"),
+        (Terminal(), 0, "pytscope[rank 0]: hi\n"),  # (rank 0 clears its own bars)
+        (io.StringIO(), 1, "pytscope[rank 1]: hi\n"),  # a log file: no empty lines
+    ):
+        monkeypatch.setattr(sys, "stderr", stream)
+        say(rank, "hi")
+        assert stream.getvalue() == expected
+
+
+def test_the_last_line_before_a_hang_abort_leaves_the_bars_cleared(capsys):
+    bar = drawn_bar()
+    try:
+        capsys.readouterr()
+        say_last(0, "hang detected, exiting with code 86 (on_hang='abort')")
+        out, err = capsys.readouterr()
+        assert err.startswith("pytscope[rank 0]: hang detected")
+        assert out.startswith("\r") and "3/10" not in out  # cleared, and not drawn again before the exit
+    finally:
+        bar.close()
+
+
+def test_the_last_line_before_a_hang_abort_shows_the_cursor_a_rich_display_hid(monkeypatch):
+    import rich
+    from rich.console import Console
+    from rich.progress import Progress
+
+    terminal = Console(file=io.StringIO(), force_terminal=True, width=80, color_system=None)
+    monkeypatch.setattr(rich, "_console", terminal)
+    progress = Progress(console=rich.get_console(), auto_refresh=False)
+    progress.start()  # hides the cursor
+    try:
+        progress.add_task("Epoch 0", total=10, completed=3)
+        progress.refresh()
+        say_last(0, "hang detected")
+        text = terminal.file.getvalue()
+        assert text.rindex("\x1b[?25h") > text.rindex("\x1b[?25l") and text.endswith("\n")
+    finally:
+        progress.stop()

@@ -147,9 +147,9 @@ def test_an_80_column_terminal_shows_every_header_and_number_whole(strong_runs):
     console.print(render_scaling(s))
     text = console.file.getvalue()
     assert "…" not in text
-    for header in ("workers samples/s speedup efficiency step ms", "compute  comm wait  data run"):
+    for header in ("workers  samples/s  speedup  efficiency  step ms", "compute   comm  wait   data  run"):
         assert header in text
-    assert "6400.0" in text and "7.2 w4" in text
+    assert "6400.0" in text and "7.2  w4" in text
 
 
 @pytest.mark.parametrize("make", ["missing", "junk", "file"])
