@@ -117,6 +117,15 @@ def test_straggler_wait_is_not_billed_as_communication():
     assert budget["sync wait (imbalance)"] > budget["exposed transfer"]
 
 
+def test_a_budget_line_with_no_time_in_it_is_not_recoverable():
+    one_rank = make_run(300, 1, data_ms=0.0)
+    one_rank.phases[:, :, 3] = 0.0  # one process: no gradient communication, no peers to wait for
+    budget = {x.name: x for x in analyze(one_rank, RunContext(world_size=1)).efficiency.budget}
+    for name in ("exposed transfer", "sync wait (imbalance)", "data wait"):
+        assert budget[name].share == 0.0 and not budget[name].recoverable
+    assert budget["other"].recoverable
+
+
 @pytest.mark.parametrize("parallelism", ["ddp", "fsdp2"])
 def test_exposed_communication_advice_fits_the_wrapper_and_one_rank_has_none(parallelism):
     # 3 ms of the 10 ms step is transfer on every rank: DIST.COMM_BOUND, with what to change in that wrapper.

@@ -84,8 +84,9 @@ def budget(timing: StepTiming, dist: DistributedTiming, comm_measured: bool = Tr
         ("other", share["other"], True, True),
     )
     mean = timing.mean_ms if math.isfinite(timing.mean_ms) else 0.0
-    return tuple(
-        BudgetLine(name, float(s), float(s * mean), rec, measured) for name, s, rec, measured in lines
+    return tuple(  # (a line with no time in it has nothing to recover: one rank's transfer and sync wait)
+        BudgetLine(name, float(s), float(s * mean), rec and s > 0, measured)
+        for name, s, rec, measured in lines
     )
 
 
