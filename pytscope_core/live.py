@@ -4,8 +4,10 @@ useful and rarely enough to stay cheap, diagnosed.
 It runs on rank 0's ingest thread (`ingest.BackgroundIngest`), off every rank's critical path; it still
 shares rank 0's CPU and interpreter with training, so a diagnosis runs only as often as keeps its cost under
 LIVE_BUDGET of wall time, over the last LIVE_STEPS steps (fewer on large jobs: LIVE_CELLS rank-steps at
-most), in one analysis pass whose result feeds both the findings and the metrics. Its context comes from the
-same builder as the final report's (`RunContext.from_meta`), so live and final findings judge the same facts.
+most), in one analysis pass whose result feeds both the findings and the metrics; the loss's course is judged
+over every step since the launch (`convergence.LossHistory`), as the final report judges it. Its context
+comes from the same builder as the final report's (`RunContext.from_meta`), so live and final findings judge
+the same facts.
 State is guarded by one lock: the ingest thread, the training thread (integration findings, metrics) and the
 watchdog thread (a hang) all reach it. Metrics are handed to the training thread (`publish_metrics`), since
 loggers expect to be called there.
@@ -30,6 +32,7 @@ from .reporter import RunReporter
 
 if TYPE_CHECKING:
     from .analysis import RunAnalysis
+    from .analysis.convergence import LossHistory
 
 LIVE_STEPS = 1000  # steps kept in memory on rank 0 for live diagnosis: bounds its cost on long runs
 LIVE_CELLS = 800_000
@@ -67,6 +70,9 @@ class LiveDiagnosis:
         self._recent: collections.deque[np.ndarray] = collections.deque()
         self._world = 1
         self._recent_steps = 0
+        # Every step's loss since the launch (two floats a step): the loss's course is judged over all of it.
+        self._loss_steps: list[np.ndarray] = []
+        self._loss_values: list[np.ndarray] = []
         # (step, ranks) of the first non-finite loss: kept once the window of recent steps has moved on
         self._first_nonfinite: tuple[int, tuple[int, ...]] | None = None
         self._urgent = False  # a diagnosis is due now, whatever its budget says (the first non-finite loss)
@@ -109,6 +115,9 @@ class LiveDiagnosis:
             if self._first_nonfinite is None:
                 self._first_nonfinite = first_nonfinite_row(rows)
                 self._urgent = self._first_nonfinite is not None
+            steps, losses = step_losses(rows)
+            self._loss_steps.append(steps)
+            self._loss_values.append(losses)
             if not final:
                 self._remember(rows, world=max(1, headers.shape[0]))
 
@@ -166,12 +175,13 @@ class LiveDiagnosis:
 
         with self._lock:
             window, world = list(self._recent), self._world
+            history = self._loss_history()
         if not window:
             return
         arrays = RunArrays.from_rows(_rank_after_rank(window, world), warmup=self.warmup)
         if arrays.n_steps == 0:
             return
-        analysis = analyze(arrays, self.context())
+        analysis = analyze(arrays, self.context(), history)
         findings = run_rules(analysis)
         with self._lock:
             self.diagnoses += 1
@@ -217,6 +227,20 @@ class LiveDiagnosis:
             self.replica_checks.append(check)
             self.reporter.writer.event("replica_check", step=check.step, checksums=list(check.checksums))
 
+    def _loss_history(self) -> LossHistory:
+        """Every step's loss since the launch; its first `warmup` steps are not counted (all are, while the
+        run is still in warm-up: `timing.statistics_steps`)."""
+        from .analysis.convergence import LossHistory
+
+        if len(self._loss_steps) > 1:  # (kept as one array: each diagnosis joins only what came since)
+            self._loss_steps = [np.concatenate(self._loss_steps)]
+            self._loss_values = [np.concatenate(self._loss_values)]
+        steps = self._loss_steps[0] if self._loss_steps else np.empty(0)
+        counted = np.arange(steps.size) >= self.warmup
+        if not counted.any():
+            counted[:] = True
+        return LossHistory(steps, self._loss_values[0] if self._loss_values else np.empty(0), counted)
+
     def _remember(self, rows: np.ndarray, world: int) -> None:
         self._world = world
         limit = max(1, min(LIVE_STEPS, LIVE_CELLS // world))
@@ -224,6 +248,19 @@ class LiveDiagnosis:
         self._recent_steps += rows.shape[0] // world
         while len(self._recent) > 1 and self._recent_steps - self._recent[0].shape[0] // world >= limit:
             self._recent_steps -= self._recent.popleft().shape[0] // world
+
+
+def step_losses(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(steps, the mean over ranks of each step's finite losses, NaN where none was) of a gather's rows, in
+    step order: what `convergence.loss_per_step` makes of the same rows in a run."""
+    rows = rows[np.isfinite(rows[:, COL["step"]])]
+    steps, index = np.unique(rows[:, COL["step"]], return_inverse=True)
+    loss = rows[:, COL["loss"]]
+    finite = np.isfinite(loss)
+    total = np.bincount(index, weights=np.where(finite, loss, 0.0), minlength=steps.size)
+    count = np.bincount(index, weights=finite, minlength=steps.size)
+    with np.errstate(all="ignore"):
+        return steps, np.where(count > 0, total / np.maximum(count, 1), np.nan)
 
 
 def first_nonfinite_row(rows: np.ndarray) -> tuple[int, tuple[int, ...]] | None:

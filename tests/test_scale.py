@@ -301,3 +301,34 @@ def test_a_live_alarm_that_goes_away_is_said_to_and_said_again_when_it_returns(t
     events, _ = read_events(tmp_path)
     said = [(e["type"], e["step"]) for e in events if e["type"] in ("finding", "cleared")]
     assert said == [("finding", 10), ("cleared", 20), ("finding", 30)]
+
+
+def test_the_live_diagnosis_judges_the_loss_over_the_whole_run_as_the_final_report_does(tmp_path):
+    """A loss that fell fast and then crept down under noise: its last 1,000 steps alone read flat, the run
+    reads improving. Live said "stopped improving" (MED) from the window, and the summary never did."""
+    from pytscope_core.rundir import load_run
+
+    steps = 2500
+    t = np.arange(1, steps + 1)
+    loss = 0.3 + 2.0 * np.exp(-t / 40) - 2e-5 * t + 0.15 * np.random.default_rng(0).standard_normal(steps)
+    live = live_of(tmp_path)
+    for start in range(0, steps, 50):
+        rows = np.concatenate([rows_of(r, range(start + 1, start + 51)) for r in (0, 1)])
+        rows[:, COL["loss"]] = np.tile(loss[start : start + 50], 2)
+        live.record(np.tile([start + 50.0] * 3 + [10.0, np.nan], (2, 1)), rows, start // 50 + 1, start + 50)
+    live.diagnose(steps)
+    live.reporter.close()
+    final = summarize(load_run(tmp_path).arrays, RunContext(world_size=2))
+    assert final.convergence.trend.trend == "improving"
+    codes = {f.code for f in live.findings}
+    assert "CONVERGENCE.NO_PROGRESS" not in codes | {f.code for f in final.findings}
+
+
+def test_a_gathers_step_losses_are_the_mean_of_its_ranks_finite_losses():
+    from pytscope_core.live import step_losses
+
+    rows = np.concatenate([rows_of(r, range(1, 4)) for r in (0, 1)])
+    rows[:, COL["loss"]] = [2.0, 1.0, np.nan, 4.0, np.inf, np.nan]  # (+inf: a NaN/Inf loss was logged)
+    steps, losses = step_losses(rows[::-1])  # (in any order)
+    assert steps.tolist() == [1.0, 2.0, 3.0]
+    assert losses[:2].tolist() == [3.0, 1.0] and np.isnan(losses[2])

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import numpy as np
 
@@ -351,32 +352,49 @@ def first_nonfinite_columns(
     return int(steps[i]), tuple(int(rank_ids[j]) for j in np.flatnonzero(bad[i]))
 
 
+class LossHistory(NamedTuple):
+    """Every step's loss so far, for a diagnosis whose arrays hold only the latest steps (rank 0's live
+    window): the loss's course (trend, plateau, rise) is then judged over the whole run, as the final report
+    judges it, and a live "stopped improving" cannot stand against an end-of-run "improving"."""
+
+    steps: np.ndarray  # (S,)
+    loss: np.ndarray  # (S,) the mean over ranks of finite losses, NaN where none was
+    counted: np.ndarray  # (S,) bool: the steps the statistics use (`timing.statistics_steps`)
+
+
 def convergence(
-    arrays: RunArrays, sel: np.ndarray, seen: tuple[int, tuple[int, ...]] | None = None
+    arrays: RunArrays,
+    sel: np.ndarray,
+    seen: tuple[int, tuple[int, ...]] | None = None,
+    history: LossHistory | None = None,
 ) -> Convergence:
-    """`seen`: the run's first non-finite loss when known from steps before `arrays` (RunContext)."""
-    per_step = loss_per_step(arrays)
-    counted = per_step[sel]
+    """`seen`: the run's first non-finite loss when known from steps before `arrays` (RunContext); `history`:
+    the whole run's loss when `arrays` is a window of it. Spikes are looked for in `arrays` either way (they
+    name the ranks that spiked)."""
+    window = loss_per_step(arrays)
+    steps, per_step, sel_all = (arrays.steps, window, sel) if history is None else history
+    counted = per_step[sel_all]
+    counted_steps = steps[sel_all]
     finite = per_step[np.isfinite(per_step)]
     step, ranks = seen if seen is not None else first_nonfinite(arrays)
-    rise = rise_start(counted, arrays.steps[sel])
+    rise = rise_start(counted, counted_steps)
     # A plateau bounds its tail's change by a share of the fall before it, which after a large fall admits a
     # tail that rose significantly: that tail is a rise, not a plateau.
     flat_from = plateau_start(counted) if rise is None else None
     plateau = None
     if flat_from is not None:
-        counted_steps = arrays.steps[sel][np.isfinite(counted)]
+        finite_steps = counted_steps[np.isfinite(counted)]
         start, change, bound, fall = flat_from
-        plateau = Plateau(int(counted_steps[start]), int(counted_steps.size - start), change, bound, fall)
+        plateau = Plateau(int(finite_steps[start]), int(finite_steps.size - start), change, bound, fall)
     before = math.nan
     if step is not None:
-        earlier = np.flatnonzero(np.isfinite(per_step) & (arrays.steps < step))
+        earlier = np.flatnonzero(np.isfinite(per_step) & (steps < step))
         before = float(per_step[earlier[-1]]) if earlier.size else math.nan
     spark = finite
     if finite.size > 40:
         spark = stats.block_means(finite, 40)
     trend = loss_trend(counted)  # (of the finite losses)
-    if step is not None and not np.isfinite(per_step[arrays.steps >= step]).any():
+    if step is not None and not np.isfinite(per_step[steps >= step]).any():
         trend = replace(trend, trend="non-finite")  # what fell before the NaN is not where the run is going
     return Convergence(
         trend=trend,
@@ -385,7 +403,7 @@ def convergence(
         nonfinite_step=step,
         nonfinite_ranks=ranks,
         spikes=tuple(
-            replace(x, ranks=spiking_ranks(arrays, x)) for x in find_spikes(counted, arrays.steps[sel])
+            replace(x, ranks=spiking_ranks(arrays, x)) for x in find_spikes(window[sel], arrays.steps[sel])
         ),
         sparkline_values=tuple(float(v) for v in spark),
         plateau=plateau,

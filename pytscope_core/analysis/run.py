@@ -12,7 +12,7 @@ import numpy as np
 
 from ..arrays import RunArrays
 from ..context import RunContext
-from .convergence import Convergence, convergence
+from .convergence import Convergence, LossHistory, convergence
 from .data import DuplicateShards, duplicate_shards
 from .distributed import DistributedTiming, distributed_timing, with_placement
 from .efficiency import Efficiency, efficiency
@@ -45,7 +45,8 @@ class RunAnalysis:
     rank_ends: tuple[RankEnd, ...] = ()
 
 
-def analyze(arrays: RunArrays, ctx: RunContext) -> RunAnalysis:
+def analyze(arrays: RunArrays, ctx: RunContext, loss_history: LossHistory | None = None) -> RunAnalysis:
+    """`loss_history`: the whole run's loss, where `arrays` holds only its latest steps (live diagnosis)."""
     sel = statistics_steps(arrays)
     wall = step_wall_ms(arrays)
     sizes = {s.index: s.world_size for s in ctx.segments}
@@ -61,7 +62,7 @@ def analyze(arrays: RunArrays, ctx: RunContext) -> RunAnalysis:
         last_step=int(arrays.steps[-1]) if arrays.n_steps else None,
         timing=timing,
         distributed=dist,
-        convergence=convergence(arrays, sel, ctx.first_nonfinite),
+        convergence=convergence(arrays, sel, ctx.first_nonfinite, loss_history),
         efficiency=efficiency(arrays, ctx, timing, dist, wall, sel),
         memory=memory_stats(arrays, ctx, sel),
         duplicates=duplicate_shards(arrays),
