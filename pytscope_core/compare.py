@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .analysis.timing import launch_sequence
-from .findings import Finding
+from .findings import Finding, format_ranks
 from .summary import Summary, _plain, summarize
 
 if TYPE_CHECKING:
@@ -305,7 +305,7 @@ def _signed(x: float, unit: str = "%") -> str:
 
 
 def _finding_line(f: Finding) -> str:
-    ranks = f" ranks {', '.join(map(str, f.ranks))}" if f.ranks else ""
+    ranks = f" rank{'s' if len(f.ranks) > 1 else ''} {format_ranks(f.ranks)}" if f.ranks else ""
     return f"[{f.severity.name}] {f.title} ({f.code}{ranks})"
 
 

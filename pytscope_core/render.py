@@ -105,9 +105,14 @@ def render_run(summary: Summary) -> RenderableType:
         more = len(ends) - MAX_RANK_END_ROWS
         table.add_row("", Text(f"... and {more} more ranks' own records, with why (run.rank_ends in --json)"))
     if not r.ended:
+        hung = any(f.code == "DIST.HANG" and f.severity is Severity.HIGH for f in summary.findings)
         table.add_row(
             "end",
-            Text("no end-of-run summary: killed (SIGKILL, out of memory, a hang's abort) or still running"),
+            Text(
+                "no end-of-run summary: ended by the hang below (on_hang='abort'), killed, or still hung"
+                if hung
+                else "no end-of-run summary: killed (SIGKILL, out of memory, a hang's abort) or still running"
+            ),
         )
     table.add_row("elapsed", _num(g.elapsed_s, ".1f", " s"))
     goodput = "n/a" if not math.isfinite(g.goodput) else f"{100 * g.goodput:.1f}%"

@@ -116,7 +116,9 @@ class RunReporter:
             self.writer.write_summary(summary.to_dict(), text.export_text())
         if self.console is not None:
             where = escape(str(self.run_dir))
-            self._print(render_summary(summary), f"[dim]run directory: {where}  (pytscope report {where})[/]")
+            self._print(render_summary(summary))
+            # Never broken into lines by rich: the command is copied from the terminal as it stands.
+            self._print(f"[dim]run directory: {where}  (pytscope report {where})[/]", soft_wrap=True)
         return summary
 
     def close(self) -> None:

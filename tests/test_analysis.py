@@ -117,6 +117,20 @@ def test_straggler_wait_is_not_billed_as_communication():
     assert budget["sync wait (imbalance)"] > budget["exposed transfer"]
 
 
+def test_the_wait_for_one_straggler_is_advised_once_by_its_rank_and_phase():
+    ph = np.array(make_run(400, 4, slow={3: 0.3}).phases)
+    ph[:, :, 5] += 1.0  # `other` a recoverable line of its own...
+    ph[:, 3, 5] += 2.0  # ...where the straggler's extra work is: two budget lines, one cause
+    local = ph[:, :, [0, 1, 2, 4, 5]].sum(axis=2)
+    ph[:, :, 3] = local.max(axis=1, keepdims=True) - local + TRANSFER_MS
+    arrays = RunArrays.from_arrays(ph, loss=2.0 * np.exp(-np.arange(400) / 150) + 0.5)
+    found = {f.code: f for f in diagnose(arrays, RunContext(world_size=4))}
+    advice = found["EFFICIENCY.RECOVERABLE"].recommendation
+    assert found["DIST.STRAGGLER"].ranks == (3,)
+    assert "other 1" in found["EFFICIENCY.RECOVERABLE"].detail  # (both lines listed)
+    assert advice.count("straggler") == 1 and "in `other` on rank 3, the straggler" in advice, advice
+
+
 def test_a_budget_line_with_no_time_in_it_is_not_recoverable():
     one_rank = make_run(300, 1, data_ms=0.0)
     one_rank.phases[:, :, 3] = 0.0  # one process: no gradient communication, no peers to wait for

@@ -114,7 +114,7 @@ def test_render_shows_change_and_findings(pair):
     console.print(render_comparison(compare_runs(load_run(pair[0]), load_run(pair[1]))))
     text = console.file.getvalue()
     assert "+20.0%" in text and "straggler now" in text
-    assert "appeared:" in text and "disappeared:" in text and "DIST.STRAGGLER ranks 3" in text
+    assert "appeared:" in text and "disappeared:" in text and "DIST.STRAGGLER rank 3" in text
 
 
 @pytest.mark.parametrize("make", ["missing", "junk", "no_steps"])
@@ -203,3 +203,15 @@ def test_a_finding_in_both_runs_says_when_its_severity_changed(tmp_path, capsys)
     assert main(["compare", str(a), str(b), "--json"]) == 0
     (kept,) = json.loads(capsys.readouterr().out)["findings"]["unchanged"]
     assert (kept["severity"], kept["severity_in_a"]) == ("MED", "LOW")
+
+
+def test_a_findings_line_names_one_rank_as_a_rank_and_many_in_one_line():
+    from pytscope_core.compare import _finding_line
+    from pytscope_core.findings import Finding, Severity
+
+    def line(ranks: tuple[int, ...]) -> str:
+        return _finding_line(Finding("DIST.STRAGGLER", Severity.HIGH, "Straggler", "", "", ranks=ranks))
+
+    assert line((1,)).endswith("(DIST.STRAGGLER rank 1)")
+    assert line((1, 3)).endswith("(DIST.STRAGGLER ranks 1, 3)")
+    assert line(tuple(range(64))).endswith("ranks 0, 1, 2, 3, 4, 5, 6, 7 and 56 more)")

@@ -178,3 +178,20 @@ def test_the_last_line_before_a_hang_abort_shows_the_cursor_a_rich_display_hid(m
         assert text.rindex("\x1b[?25h") > text.rindex("\x1b[?25l") and text.endswith("\n")
     finally:
         progress.stop()
+
+
+def test_the_run_directory_line_is_never_broken_inside_the_command(tmp_path, capsys):
+    import numpy as np
+
+    from pytscope_core.records import COL, NCOLS
+
+    run_dir = tmp_path / (
+        "a-long-run-directory-name-" * 3
+    )  # longer than the 80 columns of a stand-in console
+    reporter = RunReporter(run_dir, {"world_size": 1, "warmup": 0}, console=True)
+    rows = np.full((3, NCOLS), 1.0)
+    rows[:, COL["rank"]], rows[:, COL["segment"]], rows[:, COL["step"]] = 0, 0, [1, 2, 3]
+    reporter.rows(rows)
+    reporter.summary()
+    reporter.close()
+    assert f"(pytscope report {run_dir})" in capsys.readouterr().out

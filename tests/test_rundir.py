@@ -7,6 +7,7 @@ import pytest
 
 from pytscope_core.analysis import diagnose
 from pytscope_core.cli import main
+from pytscope_core.findings import Finding, Severity
 from pytscope_core.records import COL, COLUMNS, NCOLS
 from pytscope_core.rundir import RunWriter, append_rank_rows, load_run
 
@@ -397,6 +398,21 @@ def test_a_run_without_its_end_of_run_summary_says_it_did_not_end(tmp_path, caps
     assert json.loads(capsys.readouterr().out)["run"]["ended"] is False
     (tmp_path / "summary.json").write_text("{}")  # what the end of the run writes, last
     assert load_run(tmp_path).context.ended
+
+
+def test_a_run_a_hang_ended_says_so_where_the_summary_is_missing(tmp_path, capsys):
+    write_run(tmp_path)
+    hang = Finding(
+        "DIST.HANG", Severity.HIGH, "Rank 1 is hung", "rank 1 at step 10 in `forward`", "See its stack"
+    )
+    with open(tmp_path / "events.jsonl", "a") as f:  # as the watchdog writes it, before every rank exits
+        f.write(
+            json.dumps({"type": "hang", "step": 10, "segment": 0, "t": 1010.0, "finding": hang.to_dict()})
+        )
+        f.write("\n")
+    assert main(["report", str(tmp_path)]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "no end-of-run summary: ended by the hang below (on_hang='abort'), killed, or still hung" in out
 
 
 @pytest.mark.parametrize("argv", [["--json"], ["--fail-on", "HIGH"]])

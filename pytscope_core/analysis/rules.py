@@ -998,9 +998,11 @@ _ADVICE = {
 def _advice(line: str, a: RunAnalysis) -> str:
     """What to do about a budget line; `other` that is mostly one straggler's extra work says so."""
     d = a.distributed
-    slow = [r for r in d.per_rank if r.straggler and r.extra_phase == "other"]
-    if line == "other" and len(d.stragglers) == 1 and slow:
-        return f"the extra work in `other` on rank {slow[0].rank}, the straggler (see DIST.STRAGGLER)"
+    if len(d.stragglers) == 1 and line in ("other", "sync wait (imbalance)"):
+        slow = d.rank(d.stragglers[0])  # the others' wait is its extra work: one piece of advice for both
+        if line == "sync wait (imbalance)" or slow.extra_phase == "other":
+            where = f" in `{slow.extra_phase}`" if slow.extra_phase else ""
+            return f"the extra work{where} on rank {slow.rank}, the straggler (see DIST.STRAGGLER)"
     t = a.timing
     stalled = t.stall_share >= STALL_MIN_SHARE and t.stalls
     if stalled and (
