@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -189,6 +190,8 @@ def cmd_scaling(args: argparse.Namespace) -> int:
             Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise _cannot_write(cannot_write_plot, exc) from None
+        if not os.access(Path(args.plot).parent, os.W_OK):
+            raise UsageError(f"{cannot_write_plot}: its folder is not writable")
     if args.json:
         print(json.dumps(result.to_dict(), indent=1, allow_nan=False))
     else:

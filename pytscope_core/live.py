@@ -70,9 +70,9 @@ class LiveDiagnosis:
         self._recent: collections.deque[np.ndarray] = collections.deque()
         self._world = 1
         self._recent_steps = 0
-        # Every step's loss since the launch (two floats a step): the loss's course is judged over all of it.
-        self._loss_steps: list[np.ndarray] = []
-        self._loss_values: list[np.ndarray] = []
+        # Every step's loss since the launch, as (steps, sums, counts) of each gather's finite losses: the
+        # loss's course is judged over all of it (`_loss_history`).
+        self._losses: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
         # (step, ranks) of the first non-finite loss: kept once the window of recent steps has moved on
         self._first_nonfinite: tuple[int, tuple[int, ...]] | None = None
         self._urgent = False  # a diagnosis is due now, whatever its budget says (the first non-finite loss)
@@ -115,9 +115,7 @@ class LiveDiagnosis:
             if self._first_nonfinite is None:
                 self._first_nonfinite = first_nonfinite_row(rows)
                 self._urgent = self._first_nonfinite is not None
-            steps, losses = step_losses(rows)
-            self._loss_steps.append(steps)
-            self._loss_values.append(losses)
+            self._losses.append(step_loss_sums(rows))
             if not final:
                 self._remember(rows, world=max(1, headers.shape[0]))
 
@@ -228,18 +226,22 @@ class LiveDiagnosis:
             self.reporter.writer.event("replica_check", step=check.step, checksums=list(check.checksums))
 
     def _loss_history(self) -> LossHistory:
-        """Every step's loss since the launch; its first `warmup` steps are not counted (all are, while the
-        run is still in warm-up: `timing.statistics_steps`)."""
+        """Every step's loss since the launch, in step order (gathers may be recorded out of order when the
+        ingest queue is full, and a rank's step may come in a later gather than the others'); its first
+        `warmup` steps are not counted (all are, while the run is still in warm-up: `timing.statistics_steps`)."""
         from .analysis.convergence import LossHistory
 
-        if len(self._loss_steps) > 1:  # (kept as one array: each diagnosis joins only what came since)
-            self._loss_steps = [np.concatenate(self._loss_steps)]
-            self._loss_values = [np.concatenate(self._loss_values)]
-        steps = self._loss_steps[0] if self._loss_steps else np.empty(0)
+        if len(self._losses) > 1:  # (merged into one: each diagnosis sorts only what came since)
+            steps, sums, counts = (np.concatenate(parts) for parts in zip(*self._losses, strict=True))
+            steps, index = np.unique(steps, return_inverse=True)
+            self._losses = [(steps, np.bincount(index, weights=sums), np.bincount(index, weights=counts))]
+        steps, sums, counts = self._losses[0] if self._losses else (np.empty(0),) * 3
+        with np.errstate(all="ignore"):
+            loss = np.where(counts > 0, sums / np.maximum(counts, 1), np.nan)
         counted = np.arange(steps.size) >= self.warmup
         if not counted.any():
             counted[:] = True
-        return LossHistory(steps, self._loss_values[0] if self._loss_values else np.empty(0), counted)
+        return LossHistory(steps, loss, counted)
 
     def _remember(self, rows: np.ndarray, world: int) -> None:
         self._world = world
@@ -250,17 +252,31 @@ class LiveDiagnosis:
             self._recent_steps -= self._recent.popleft().shape[0] // world
 
 
-def step_losses(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(steps, the mean over ranks of each step's finite losses, NaN where none was) of a gather's rows, in
-    step order: what `convergence.loss_per_step` makes of the same rows in a run."""
-    rows = rows[np.isfinite(rows[:, COL["step"]])]
-    steps, index = np.unique(rows[:, COL["step"]], return_inverse=True)
-    loss = rows[:, COL["loss"]]
+def step_loss_sums(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(steps, the sum of each step's finite losses, how many there were) over a gather's rows, in step
+    order: a step's mean over ranks is what `convergence.loss_per_step` makes of the same rows in a run. A
+    gather's steps span about one interval, so they are counted into a dense range (no sort)."""
+    step, loss = (
+        rows[:, COL["step"]],
+        rows[:, COL["loss"]],
+    )  # (columns only: a gather holds W x interval rows)
+    known = np.isfinite(step)
+    if not known.all():
+        step, loss = step[known], loss[known]
+    if step.size == 0:
+        return np.empty(0), np.empty(0), np.empty(0)
+    step = step.astype(np.int64)
+    first, span = int(step.min()), int(step.max() - step.min()) + 1
+    if span > 4 * step.size:  # (not one interval's steps: sort instead of a mostly empty range)
+        steps, index = np.unique(step, return_inverse=True)
+        span = steps.size
+    else:
+        steps, index = np.arange(first, first + span), step - first
     finite = np.isfinite(loss)
-    total = np.bincount(index, weights=np.where(finite, loss, 0.0), minlength=steps.size)
-    count = np.bincount(index, weights=finite, minlength=steps.size)
-    with np.errstate(all="ignore"):
-        return steps, np.where(count > 0, total / np.maximum(count, 1), np.nan)
+    sums = np.bincount(index, weights=np.where(finite, loss, 0.0), minlength=span)
+    counts = np.bincount(index, weights=finite, minlength=span)
+    present = np.bincount(index, minlength=span) > 0
+    return steps[present].astype(np.float64), sums[present], counts[present]
 
 
 def first_nonfinite_row(rows: np.ndarray) -> tuple[int, tuple[int, ...]] | None:

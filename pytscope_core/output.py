@@ -7,12 +7,14 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
+_monotonic = time.monotonic  # (bound at import: code that patches time.monotonic must not move this clock)
+
 PROGRESS_LOCK_WAIT_S = 1.0
-"""How long a print waits for tqdm's lock before it goes out without clearing the bars."""
+"""How long a print waits for tqdm's locks, in all, before it goes out without clearing the bars."""
 
 
 def show(console: Any, *items: Any, **options: Any) -> None:
@@ -36,7 +38,7 @@ def live_console() -> Any:
     return console if getattr(console, "_live_stack", None) or getattr(console, "_live", None) else None
 
 
-@contextmanager
+@contextlib.contextmanager
 def progress_bars_cleared(wait_s: float = PROGRESS_LOCK_WAIT_S, redraw: bool = True) -> Iterator[None]:
     """tqdm's progress bars (Lightning's `TQDMProgressBar`, a loop's own `tqdm(loader)`) cleared while pytscope
     prints, and drawn again after, as `tqdm.write` does: else a live finding starts mid-line, after half a bar.
@@ -45,19 +47,22 @@ def progress_bars_cleared(wait_s: float = PROGRESS_LOCK_WAIT_S, redraw: bool = T
     lock is not free within `wait_s`, the text goes out as it is. Nothing is done, and no lock is made,
     while no bar exists (tqdm makes its multiprocessing lock lazily; making it early would fix the
     process's start method). `redraw=False` leaves them cleared (the process is ending)."""
-    # (Every tqdm bar's class derives from tqdm.std's.)
-    bar_class: Any = getattr(sys.modules.get("tqdm.std"), "tqdm", None)
+    tqdm_std = sys.modules.get("tqdm.std")
+    bar_class: Any = getattr(tqdm_std, "tqdm", None)  # (every tqdm bar's class derives from it)
     if not getattr(bar_class, "_instances", None):
         yield
         return
-    # Each class keeps the lock it made first (Lightning's bar has its own), over locks they all share.
-    locks = getattr(bar_class.get_lock(), "locks", None)
+    # The locks under every bar class's own write lock (Lightning's bar makes its own), read without making
+    # one: making it waits, without a limit, for a lock a stuck bar may hold.
+    shared = getattr(tqdm_std, "TqdmDefaultWriteLock", None)
+    locks = [lock for lock in (getattr(shared, "mp_lock", None), getattr(shared, "th_lock", None)) if lock]
     if not locks:
         yield
         return
     taken = []
+    deadline = _monotonic() + wait_s
     for lock in locks:
-        if not lock.acquire(timeout=wait_s):
+        if not lock.acquire(timeout=max(0.0, deadline - _monotonic())):
             break
         taken.append(lock)
     cleared = None
@@ -77,7 +82,7 @@ def say(rank: int, message: str) -> None:
     display that redirects `sys.stderr` puts it above itself; tqdm's bars are cleared for it. Another rank
     cannot clear rank 0's bar in the terminal they share: its line starts on a line of its own."""
     with progress_bars_cleared():
-        print(_line(rank, message), file=sys.stderr, flush=True)
+        _print_line(_line(rank, message))
 
 
 def say_last(rank: int, message: str) -> None:
@@ -86,12 +91,21 @@ def say_last(rank: int, message: str) -> None:
     on a line of its own in a usable terminal."""
     live = live_console()
     with progress_bars_cleared(redraw=False):
-        print(_line(rank, message), file=sys.stderr, flush=True)
+        _print_line(_line(rank, message))
     if live is not None:
         with contextlib.suppress(Exception):
             live.show_cursor(True)
             live.file.write("\n")  # (below the display, which stays drawn)
             live.file.flush()
+
+
+def _print_line(line: str) -> None:
+    """`line` on standard error, or nowhere when it cannot be written (closed, its reader gone): what the
+    scope says must never stop what it does next (a hang's abort exits right after)."""
+    try:
+        print(line, file=sys.stderr, flush=True)
+    except (OSError, ValueError):
+        pass
 
 
 def _line(rank: int, message: str) -> str:

@@ -86,7 +86,7 @@ def render_run(summary: Summary) -> RenderableType:
     table.add_row("restarts", str(r.restarts))
     if r.parallelism:
         table.add_row("parallelism", Text(r.parallelism + (f": {r.comm_note}" if r.comm_note else "")))
-    for note in summary.scope_notes:  # what the scope could not measure, as it said while training
+    for note in summary.scope_notes:  # what the scope could not measure, or why it ended early, as it said
         table.add_row("note", Text(note))
     # The ranks whose records end earliest first; a large job's others in one line (all in --json).
     ends = sorted(r.rank_ends, key=lambda e: (e.last_step is not None, e.last_step or 0, e.rank))

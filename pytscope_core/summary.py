@@ -53,7 +53,7 @@ class Summary:
     duplicates: DuplicateShards
     findings: tuple[Finding, ...]
     scope_errors: tuple[str, ...]
-    scope_notes: tuple[str, ...] = ()  # what the scope could not measure (RunContext.scope_notes)
+    scope_notes: tuple[str, ...] = ()  # what the scope could not measure, or why it ended early (RunContext)
 
     def to_dict(self) -> dict[str, Any]:
         g = self.efficiency.goodput

@@ -61,6 +61,42 @@ def test_a_bar_of_a_subclass_that_made_its_own_lock_first_is_cleared_too(tmp_pat
         bar.close()
 
 
+def test_a_stuck_bar_of_a_subclass_delays_a_print_by_the_wait_and_no_lock_is_made(capsys, monkeypatch):
+    monkeypatch.delattr(tqdm, "_lock", raising=False)  # only the subclass has made its lock
+
+    class LightningStyleBar(tqdm):
+        pass
+
+    bar = LightningStyleBar(total=10, file=sys.stdout, ascii=True, mininterval=0, miniters=1)
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with LightningStyleBar.get_lock():
+            held.set()
+            release.wait(30)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        held.wait(5)
+        t0 = time.monotonic()
+        with progress_bars_cleared(wait_s=0.2):
+            print("pytscope: said anyway")
+        assert time.monotonic() - t0 < 5 and "_lock" not in vars(tqdm)  # (tqdm's own state left alone)
+    finally:
+        release.set()
+        holder.join()
+        bar.close()
+
+
+def test_a_closed_stderr_never_stops_what_comes_after_a_line(monkeypatch):
+    closed = io.StringIO()
+    closed.close()
+    monkeypatch.setattr(sys, "stderr", closed)
+    say(1, "a warning")  # (no exception: a hang's abort exits right after its last line)
+    say_last(0, "hang detected")
+
+
 def test_a_warning_on_stderr_clears_a_bar_on_stdout_too(capsys):
     bar = drawn_bar()
     try:

@@ -324,11 +324,30 @@ def test_the_live_diagnosis_judges_the_loss_over_the_whole_run_as_the_final_repo
     assert "CONVERGENCE.NO_PROGRESS" not in codes | {f.code for f in final.findings}
 
 
-def test_a_gathers_step_losses_are_the_mean_of_its_ranks_finite_losses():
-    from pytscope_core.live import step_losses
+def test_the_live_loss_history_is_the_runs_per_step_loss_in_step_order_past_warm_up(tmp_path):
+    from pytscope_core.live import step_loss_sums
 
     rows = np.concatenate([rows_of(r, range(1, 4)) for r in (0, 1)])
     rows[:, COL["loss"]] = [2.0, 1.0, np.nan, 4.0, np.inf, np.nan]  # (+inf: a NaN/Inf loss was logged)
-    steps, losses = step_losses(rows[::-1])  # (in any order)
-    assert steps.tolist() == [1.0, 2.0, 3.0]
-    assert losses[:2].tolist() == [3.0, 1.0] and np.isnan(losses[2])
+    steps, sums, counts = step_loss_sums(rows[::-1])  # (in any order)
+    assert (
+        steps.tolist() == [1.0, 2.0, 3.0]
+        and sums.tolist() == [6.0, 1.0, 0.0]
+        and counts.tolist() == [2, 1, 0]
+    )
+
+    live = LiveDiagnosis(live_of(tmp_path).reporter, Segment(0, time.time(), 0, 2), warmup=2, errors=[])
+    gathers = [range(1, 11), range(21, 31), range(11, 21), range(31, 41)]  # the queue was full: out of order
+    for n, steps_in in enumerate(gathers):
+        rows = np.concatenate([rows_of(r, steps_in) for r in (0, 1)])
+        rows[:, COL["loss"]] = np.tile(np.array(steps_in, dtype=float), 2)
+        if n == 3:  # rank 1's step 40 comes in a later gather than rank 0's (ranks out of step)
+            rows = rows[:-1]
+        live.record(np.zeros((2, 5)), rows, n + 1, max(steps_in))
+    lagging = rows_of(1, range(40, 41))
+    lagging[:, COL["loss"]] = 42.0
+    live.record(np.zeros((2, 5)), lagging, 5, 41)
+    history = live._loss_history()
+    assert history.steps.tolist() == list(range(1, 41))
+    assert history.loss[:39].tolist() == list(range(1, 40)) and history.loss[39] == (40.0 + 42.0) / 2
+    assert history.counted.tolist() == [False, False] + [True] * 38  # the launch's first 2 steps: warm-up

@@ -787,3 +787,24 @@ def test_a_peer_gone_during_the_scopes_gather_is_not_called_its_internal_error()
     )
     assert gone.startswith("another rank left the job during pytscope's gather") and "scope disabled" in gone
     assert disabled_message(ValueError("x")).startswith("internal error, scope disabled")
+
+
+def test_a_stop_the_training_caused_is_a_note_and_a_limit_is_said_by_rank_0_only(
+    tmp_path, capsys, monkeypatch
+):
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scope = Scope(tmp_path, console=False, hang_timeout=None)
+    scope.watch(model, opt)
+    for _ in range(3):
+        model(torch.randn(8, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    with monkeypatch.context() as patch:  # as rank 1 says them: a limit is every rank's, an error its own
+        patch.setattr(scope.coordinator, "rank", 1)
+        scope.note("a limit every rank meets")
+        scope.note("an error of this rank's", error=True)
+    assert capsys.readouterr().err == "pytscope[rank 1]: an error of this rank's\n"
+    summary = scope.stop("the fit raised KeyboardInterrupt")
+    assert "stopped without a final gather: the fit raised KeyboardInterrupt" in summary.scope_notes
+    assert not any("KeyboardInterrupt" in e for e in summary.scope_errors)

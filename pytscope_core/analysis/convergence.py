@@ -353,9 +353,10 @@ def first_nonfinite_columns(
 
 
 class LossHistory(NamedTuple):
-    """Every step's loss so far, for a diagnosis whose arrays hold only the latest steps (rank 0's live
-    window): the loss's course (trend, plateau, rise) is then judged over the whole run, as the final report
-    judges it, and a live "stopped improving" cannot stand against an end-of-run "improving"."""
+    """Every step's loss since the launch, for a diagnosis whose arrays hold only the latest steps (rank 0's
+    live window): the loss's course (trend, plateau, rise) is then judged as the final report judges it, and a
+    live "stopped improving" cannot stand against an end-of-run "improving". (After a resume the live history
+    starts at the resume; the final report also reads the segments before it.)"""
 
     steps: np.ndarray  # (S,)
     loss: np.ndarray  # (S,) the mean over ranks of finite losses, NaN where none was

@@ -1000,8 +1000,8 @@ def _advice(line: str, a: RunAnalysis) -> str:
     d = a.distributed
     if len(d.stragglers) == 1 and line in ("other", "sync wait (imbalance)"):
         slow = d.rank(d.stragglers[0])  # the others' wait is its extra work: one piece of advice for both
-        if line == "sync wait (imbalance)" or slow.extra_phase == "other":
-            where = f" in `{slow.extra_phase}`" if slow.extra_phase else ""
+        if line == "sync wait (imbalance)" or slow.extra_phase == "other" and slow.extra_phase_ms > 0:
+            where = f" in `{slow.extra_phase}`" if slow.extra_phase and slow.extra_phase_ms > 0 else ""
             return f"the extra work{where} on rank {slow.rank}, the straggler (see DIST.STRAGGLER)"
     t = a.timing
     stalled = t.stall_share >= STALL_MIN_SHARE and t.stalls
