@@ -256,16 +256,14 @@ def step_loss_sums(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray
     """(steps, the sum of each step's finite losses, how many there were) over a gather's rows, in step
     order: a step's mean over ranks is what `convergence.loss_per_step` makes of the same rows in a run. A
     gather's steps span about one interval, so they are counted into a dense range (no sort)."""
-    step, loss = (
-        rows[:, COL["step"]],
-        rows[:, COL["loss"]],
-    )  # (columns only: a gather holds W x interval rows)
+    # Two columns, each read once into a contiguous array: a gather holds W x interval rows.
+    step, loss = np.ascontiguousarray(rows[:, COL["step"]]), np.ascontiguousarray(rows[:, COL["loss"]])
     known = np.isfinite(step)
     if not known.all():
         step, loss = step[known], loss[known]
     if step.size == 0:
         return np.empty(0), np.empty(0), np.empty(0)
-    step = step.astype(np.int64)
+    step = step.astype(np.intp)
     first, span = int(step.min()), int(step.max() - step.min()) + 1
     if span > 4 * step.size:  # (not one interval's steps: sort instead of a mostly empty range)
         steps, index = np.unique(step, return_inverse=True)
