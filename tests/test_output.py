@@ -3,10 +3,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from typing import Any
 
 from tqdm import tqdm  # (a dependency of Lightning's and Accelerate's)
 
@@ -61,17 +64,13 @@ def test_a_bar_of_a_subclass_that_made_its_own_lock_first_is_cleared_too(tmp_pat
         bar.close()
 
 
-def test_a_stuck_bar_of_a_subclass_delays_a_print_by_the_wait_and_no_lock_is_made(capsys, monkeypatch):
-    monkeypatch.delattr(tqdm, "_lock", raising=False)  # only the subclass has made its lock
-
-    class LightningStyleBar(tqdm):
-        pass
-
-    bar = LightningStyleBar(total=10, file=sys.stdout, ascii=True, mininterval=0, miniters=1)
+@contextlib.contextmanager
+def held_elsewhere(lock: Any) -> Iterator[None]:
+    """`lock` held by another thread for the block: a bar stuck writing (its reader stopped reading)."""
     held, release = threading.Event(), threading.Event()
 
     def hold() -> None:
-        with LightningStyleBar.get_lock():
+        with lock:
             held.set()
             release.wait(30)
 
@@ -79,13 +78,26 @@ def test_a_stuck_bar_of_a_subclass_delays_a_print_by_the_wait_and_no_lock_is_mad
     holder.start()
     try:
         held.wait(5)
-        t0 = time.monotonic()
-        with progress_bars_cleared(wait_s=0.2):
-            print("pytscope: said anyway")
-        assert time.monotonic() - t0 < 5 and "_lock" not in vars(tqdm)  # (tqdm's own state left alone)
+        yield
     finally:
         release.set()
         holder.join()
+
+
+def test_a_stuck_bar_of_a_subclass_delays_a_print_by_the_wait_and_no_lock_is_made(monkeypatch):
+    monkeypatch.delattr(tqdm, "_lock", raising=False)  # only the subclass has made its lock
+
+    class LightningStyleBar(tqdm):
+        pass
+
+    bar = LightningStyleBar(total=10, file=sys.stdout, ascii=True, mininterval=0, miniters=1)
+    try:
+        with held_elsewhere(LightningStyleBar.get_lock()):
+            t0 = time.monotonic()
+            with progress_bars_cleared(wait_s=0.2):
+                print("pytscope: said anyway")
+            assert time.monotonic() - t0 < 5 and "_lock" not in vars(tqdm)  # (tqdm's own state left alone)
+    finally:
         bar.close()
 
 
@@ -104,34 +116,20 @@ def test_a_warning_on_stderr_clears_a_bar_on_stdout_too(capsys):
         say(1, "a warning")
         out, err = capsys.readouterr()
         assert err == "pytscope[rank 1]: a warning\n"
-        cleared_and_drawn = out
-        assert cleared_and_drawn.startswith("\r") and "3/10" in cleared_and_drawn
+        assert out.startswith("\r") and "3/10" in out  # the bar cleared, and drawn again after
     finally:
         bar.close()
 
 
 def test_a_bar_holding_its_lock_delays_a_print_by_the_wait_at_most(capsys):
     bar = drawn_bar()
-    held, release = threading.Event(), threading.Event()
-
-    def hold() -> None:  # a bar stuck writing (its reader stopped reading) holds tqdm's lock
-        with tqdm.get_lock():
-            held.set()
-            release.wait(30)
-
-    holder = threading.Thread(target=hold)
-    holder.start()
     try:
-        held.wait(5)
-        t0 = time.monotonic()
-        with progress_bars_cleared(wait_s=0.2):
-            print("pytscope: said anyway")
-        assert time.monotonic() - t0 < 5
-        assert "pytscope: said anyway" in capsys.readouterr().out
-    finally:
-        release.set()
-        holder.join()
-    try:
+        with held_elsewhere(tqdm.get_lock()):
+            t0 = time.monotonic()
+            with progress_bars_cleared(wait_s=0.2):
+                print("pytscope: said anyway")
+            assert time.monotonic() - t0 < 5
+            assert "pytscope: said anyway" in capsys.readouterr().out
         with progress_bars_cleared(wait_s=0.2):  # the locks were given back: this print clears the bar again
             print("pytscope: next")
         assert line_before(capsys.readouterr().out, "pytscope: next").strip() == ""
