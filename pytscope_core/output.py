@@ -109,8 +109,8 @@ def _print_line(line: str) -> None:
 
 
 def _line(rank: int, message: str) -> str:
-    own_line = rank != 0 and _isatty(sys.stderr)
-    return f"{chr(10) if own_line else ''}pytscope[rank {rank}]: {message}"
+    prefix = "\n" if rank != 0 and _isatty(sys.stderr) else ""  # (below rank 0's bar in a shared terminal)
+    return f"{prefix}pytscope[rank {rank}]: {message}"
 
 
 def _isatty(stream: Any) -> bool:
