@@ -67,9 +67,8 @@ class RunContext:
         tuple[int, float], ...
     ] = ()  # (segment, epoch s) the job was seen alive, stuck: its hang reports
     scope_errors: tuple[str, ...] = ()  # what went wrong in the scope (those with SCOPE_DISABLED: it stopped)
-    scope_notes: tuple[
-        str, ...
-    ] = ()  # what rank 0's scope could not measure, or why it ended early (a fit raised)
+    # What rank 0's scope could not measure, or why it ended early (a fit raised).
+    scope_notes: tuple[str, ...] = ()
     ended: bool = (
         True  # the run wrote its end-of-run summary; False: killed (SIGKILL, OOM, a hang's abort) or running
     )
