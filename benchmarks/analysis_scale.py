@@ -11,6 +11,8 @@ Two measurements (SPEC 9 budgets):
    Budget: < 2 s and < 1 GiB.
 2. **Loading and reporting**: 100,000 steps x 8 ranks written with `RunWriter` (raw rows, as rank 0 writes
    them), then `load_run` + `summarize` + `render_summary` into a string, timed together. Budget: < 2 s.
+   Also what a resumed launch's rank 0 reads of the same run once, on its ingest thread, so that its live
+   diagnosis judges the whole run's loss (`live.earlier_loss_history`): time and tracemalloc's peak.
 
 Each timing is the median of `--repeat` runs (default 3). The last line reads
 `analysis: 1024 ranks x 10000 steps in T s, peak M MiB` (with the sizes actually run; `--quick` is smaller).
@@ -153,6 +155,22 @@ def load_and_report(path: Path, repeat: int) -> tuple[float, int]:
     return statistics.median(times), chars
 
 
+def read_earlier_losses(path: Path, repeat: int) -> tuple[float, float]:
+    """(median s, traced peak MiB) of reading the run's loss history as a resumed launch does."""
+    from pytscope_core.live import earlier_loss_history
+
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        earlier_loss_history(path, segment=1, warmup=5)
+        times.append(time.perf_counter() - t0)
+    tracemalloc.start()
+    earlier_loss_history(path, segment=1, warmup=5)
+    peak = tracemalloc.get_traced_memory()[1] / 2**20
+    tracemalloc.stop()
+    return statistics.median(times), peak
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small sizes for a smoke run")
@@ -170,11 +188,16 @@ def main(argv: list[str] | None = None) -> int:
         size = (run_dir / "steps.f64").stat().st_size / 2**20
         print(f"  written in {time.perf_counter() - t0:.2f} s ({size:.0f} MiB of rows)")
         t_load, chars = load_and_report(run_dir, repeat)
+        t_earlier, peak_earlier = read_earlier_losses(run_dir, repeat)
     verdict = "met" if t_load < BUDGET_S else "MISSED"
     print(
         f"  load_run + summarize + render: {t_load:.2f} s (report {chars} characters); < {BUDGET_S:.0f} s: {verdict}"
     )
 
+    print(
+        f"  a resumed launch's read of the run's loss (once, off the training thread): {t_earlier:.2f} s, "
+        f"peak {peak_earlier:.0f} MiB traced"
+    )
     print(f"diagnosing {ranks} ranks x {steps} steps (float32 phases, rank {ranks - 1} 10% slower)")
     t_sum, t_diag, peak, _, t_cold = diagnose_at_scale(ranks, steps, repeat)
     rss = _rss_mib()

@@ -5,7 +5,8 @@ It runs on rank 0's ingest thread (`ingest.BackgroundIngest`), off every rank's 
 shares rank 0's CPU and interpreter with training, so a diagnosis runs only as often as keeps its cost under
 LIVE_BUDGET of wall time, over the last LIVE_STEPS steps (fewer on large jobs: LIVE_CELLS rank-steps at
 most), in one analysis pass whose result feeds both the findings and the metrics; the loss's course is judged
-over every step since the launch (`convergence.LossHistory`), as the final report judges it. Its context
+over every step of the run, earlier segments included (`convergence.LossHistory`), as the final report judges
+it. Its context
 comes from the same builder as the final report's (`RunContext.from_meta`), so live and final findings judge
 the same facts.
 State is guarded by one lock: the ingest thread, the training thread (integration findings, metrics) and the
@@ -20,6 +21,7 @@ import math
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -29,6 +31,7 @@ from .context import CountsCheck, ReplicaCheck, RunContext, Segment
 from .findings import Finding, Severity
 from .records import COL
 from .reporter import RunReporter
+from .rundir import iter_rows, run_columns, sound_rows
 
 if TYPE_CHECKING:
     from .analysis import RunAnalysis
@@ -42,6 +45,7 @@ the window always holds the latest gather whole."""
 LIVE_BUDGET = 0.005  # live diagnosis may take at most this share of wall time; other gathers only store rows
 
 MetricsSink = Callable[[dict[str, float], int], None]
+LossSums = tuple[np.ndarray, np.ndarray, np.ndarray]  # (steps, sums of their finite losses, how many)
 
 
 class LiveDiagnosis:
@@ -70,9 +74,11 @@ class LiveDiagnosis:
         self._recent: collections.deque[np.ndarray] = collections.deque()
         self._world = 1
         self._recent_steps = 0
-        # Every step's loss since the launch, as (steps, sums, counts) of each gather's finite losses: the
-        # loss's course is judged over all of it (`_loss_history`).
-        self._losses: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        # Every step's loss since the launch, as (steps, sums, counts) of each gather's finite losses, and
+        # the run's earlier segments' (read once, at the first diagnosis): the loss's course is judged over all
+        # of it (`_loss_history`).
+        self._losses: list[LossSums] = []
+        self._earlier: LossHistory | None = None
         # (step, ranks) of the first non-finite loss: kept once the window of recent steps has moved on
         self._first_nonfinite: tuple[int, tuple[int, ...]] | None = None
         self._urgent = False  # a diagnosis is due now, whatever its budget says (the first non-finite loss)
@@ -122,6 +128,7 @@ class LiveDiagnosis:
     def diagnose_if_due(self, step: int) -> None:
         """Diagnose unless the last diagnosis's cost says it is too soon (LIVE_BUDGET); a first non-finite
         loss is said at once."""
+        self._read_earlier()  # (once per launch: not a diagnosis's cost, which paces the next)
         now = self._clock()
         if self._cost_s > LIVE_BUDGET * (now - self._at) and not self._urgent:
             return
@@ -171,6 +178,7 @@ class LiveDiagnosis:
         """Diagnose the recent steps once; publish findings that are new or got worse, and the metrics."""
         from .analysis import analyze, run_rules
 
+        self._read_earlier()
         with self._lock:
             window, world = list(self._recent), self._world
             history = self._loss_history()
@@ -225,20 +233,41 @@ class LiveDiagnosis:
             self.replica_checks.append(check)
             self.reporter.writer.event("replica_check", step=check.step, checksums=list(check.checksums))
 
+    def _read_earlier(self) -> None:
+        """The loss history of the run's segments before this one (a resume, a second fit), read from the run
+        directory once, off the lock (a long run's rows take a while): empty for a fresh run, or where the
+        run's files cannot be read (the final report says what it could not read)."""
+        if self._earlier is not None:
+            return
+        earlier = None
+        if self.segment.index > 0:
+            try:
+                earlier = earlier_loss_history(self.reporter.writer.path, self.segment.index, self.warmup)
+            except (OSError, ValueError):
+                pass
+        self._earlier = earlier or _empty_history()
+
     def _loss_history(self) -> LossHistory:
-        """Every step's loss since the launch, in step order (gathers may be recorded out of order when the
-        ingest queue is full, and a rank's step may come in a later gather than the others'); its first
-        `warmup` steps are not counted (all are, while the run is still in warm-up: `timing.statistics_steps`)."""
+        """Every step's loss in the run, in step order (gathers may be recorded out of order when the ingest
+        queue is full, and a rank's step may come in a later gather than the others'): the earlier segments'
+        up to this launch's first step (the steps it replays are its own), then this launch's, whose first
+        `warmup` steps are not counted. All are counted while the run is still in warm-up
+        (`timing.statistics_steps`)."""
         from .analysis.convergence import LossHistory
 
         if len(self._losses) > 1:  # (merged into one: each diagnosis sorts only what came since)
-            steps, sums, counts = (np.concatenate(parts) for parts in zip(*self._losses, strict=True))
-            steps, index = np.unique(steps, return_inverse=True)
-            self._losses = [(steps, np.bincount(index, weights=sums), np.bincount(index, weights=counts))]
+            self._losses = [merge_loss_sums(self._losses)]
         steps, sums, counts = self._losses[0] if self._losses else (np.empty(0),) * 3
         with np.errstate(all="ignore"):
             loss = np.where(counts > 0, sums / np.maximum(counts, 1), np.nan)
         counted = np.arange(steps.size) >= self.warmup
+        earlier = self._earlier or _empty_history()
+        if earlier.steps.size:
+            before = earlier.steps < steps[0] if steps.size else np.ones(earlier.steps.size, dtype=bool)
+            steps, loss, counted = (
+                np.concatenate([part[before], own])
+                for part, own in zip(earlier, (steps, loss, counted), strict=True)
+            )
         if not counted.any():
             counted[:] = True
         return LossHistory(steps, loss, counted)
@@ -252,7 +281,7 @@ class LiveDiagnosis:
             self._recent_steps -= self._recent.popleft().shape[0] // world
 
 
-def step_loss_sums(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def step_loss_sums(rows: np.ndarray) -> LossSums:
     """(steps, the sum of each step's finite losses, how many there were) over a gather's rows, in step
     order: a step's mean over ranks is what `convergence.loss_per_step` makes of the same rows in a run. A
     gather's steps span about one interval, so they are counted into a dense range (no sort)."""
@@ -275,6 +304,66 @@ def step_loss_sums(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray
     counts = np.bincount(index, weights=finite, minlength=span)
     present = np.bincount(index, minlength=span) > 0
     return steps[present].astype(np.float64), sums[present], counts[present]
+
+
+def merge_loss_sums(parts: list[LossSums]) -> LossSums:
+    """One (steps, sums, counts) from several, in step order, each step's sums and counts added up."""
+    steps, sums, counts = (np.concatenate(column) for column in zip(*parts, strict=True))
+    steps, index = np.unique(steps, return_inverse=True)
+    return steps, np.bincount(index, weights=sums), np.bincount(index, weights=counts)
+
+
+def earlier_loss_history(path: Path, segment: int, warmup: int) -> LossHistory:
+    """The loss history of the run's segments before `segment`, as the final report reads them: each step's
+    mean over ranks of the finite losses that its latest segment recorded (a resume replays the steps done
+    since the checkpoint), the first `warmup` steps of each segment not counted. The rows are read a chunk at
+    a time, never all held; rows a rank wrote itself (`ranks/`) count for steps no gather brought."""
+    from .analysis.convergence import LossHistory
+
+    columns = run_columns(path)
+    gathered = _loss_sums_by_segment([path / "steps.f64"], columns, segment)
+    folder = path / "ranks"
+    own = _loss_sums_by_segment(sorted(folder.glob("rank*.f64")), columns, segment) if folder.is_dir() else {}
+    for seg, (steps, sums, counts) in own.items():
+        if seg in gathered:
+            new = ~np.isin(steps, gathered[seg][0])
+            gathered[seg] = merge_loss_sums([gathered[seg], (steps[new], sums[new], counts[new])])
+        else:
+            gathered[seg] = (steps, sums, counts)
+    if not gathered:
+        return _empty_history()
+    steps, sums, counts = (np.concatenate(column) for column in zip(*gathered.values(), strict=True))
+    segs = np.concatenate([np.full(part[0].size, seg) for seg, part in gathered.items()])
+    order = np.lexsort((segs, steps))  # by step, then segment: each step's last row is its latest segment
+    steps, segs, sums, counts = steps[order], segs[order], sums[order], counts[order]
+    latest = np.r_[steps[1:] != steps[:-1], True]
+    steps, segs, sums, counts = steps[latest], segs[latest], sums[latest], counts[latest]
+    with np.errstate(all="ignore"):
+        loss = np.where(counts > 0, sums / np.maximum(counts, 1), np.nan)
+    counted = np.ones(steps.size, dtype=bool)
+    for seg in np.unique(segs):
+        counted[np.flatnonzero(segs == seg)[:warmup]] = False
+    return LossHistory(steps, loss, counted)
+
+
+def _loss_sums_by_segment(files: list[Path], columns: list[str], before: int) -> dict[int, LossSums]:
+    """{segment: (steps, sums, counts)} of the sound rows of segments before `before` in `files`."""
+    parts: dict[int, list[LossSums]] = collections.defaultdict(list)
+    for f in files:
+        if not f.is_file():
+            continue
+        for rows in iter_rows(f, columns):
+            rows, _ = sound_rows(rows)
+            segment = rows[:, COL["segment"]]
+            for seg in np.unique(segment[segment < before]):
+                parts[int(seg)].append(step_loss_sums(rows[segment == seg]))
+    return {seg: merge_loss_sums(p) for seg, p in sorted(parts.items())}
+
+
+def _empty_history() -> LossHistory:
+    from .analysis.convergence import LossHistory
+
+    return LossHistory(np.empty(0), np.empty(0), np.empty(0, dtype=bool))
 
 
 def first_nonfinite_row(rows: np.ndarray) -> tuple[int, tuple[int, ...]] | None:

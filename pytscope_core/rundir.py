@@ -19,7 +19,7 @@ import json
 import math
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -226,7 +226,22 @@ def read_rows(path: Path, columns: list[str] | None = None, name: str = "steps.f
     columns = columns or list(COLUMNS)
     width = len(columns)
     raw = np.fromfile(f, dtype="<f8")
-    raw = raw[: raw.size - raw.size % width].reshape(-1, width)
+    return _in_current_layout(raw[: raw.size - raw.size % width].reshape(-1, width), columns)
+
+
+def iter_rows(f: Path, columns: list[str], chunk_rows: int = 1 << 16) -> Iterator[np.ndarray]:
+    """The whole rows of file `f` in the current column layout, `chunk_rows` at a time: a large run's rows
+    read without holding them all (only what the file held when this began)."""
+    width = len(columns)
+    rows = f.stat().st_size // (8 * width)
+    if rows == 0:
+        return
+    held = np.memmap(f, dtype="<f8", mode="r", shape=(rows, width))
+    for start in range(0, rows, chunk_rows):
+        yield _in_current_layout(np.array(held[start : start + chunk_rows]), columns)
+
+
+def _in_current_layout(raw: np.ndarray, columns: list[str]) -> np.ndarray:
     if columns == list(COLUMNS):
         return raw
     rows = np.full((raw.shape[0], NCOLS), np.nan)

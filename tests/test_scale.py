@@ -303,25 +303,101 @@ def test_a_live_alarm_that_goes_away_is_said_to_and_said_again_when_it_returns(t
     assert said == [("finding", 10), ("cleared", 20), ("finding", 30)]
 
 
+def creeping_loss(steps: int) -> np.ndarray:
+    """A loss that fell fast and then crept down under noise: its last 1,000 steps alone read flat."""
+    t = np.arange(1, steps + 1)
+    return 0.3 + 2.0 * np.exp(-t / 40) - 2e-5 * t + 0.15 * np.random.default_rng(0).standard_normal(steps)
+
+
+def record_launch(live: LiveDiagnosis, loss: np.ndarray, first: int, last: int, segment: int) -> None:
+    """Steps `first`..`last` of a 2-rank launch, gathered every 50 steps, each step's loss on both ranks."""
+    for start in range(first, last + 1, 50):
+        steps = range(start, min(start + 50, last + 1))
+        rows = np.concatenate([rows_of(r, steps) for r in (0, 1)])
+        rows[:, COL["segment"]] = segment
+        rows[:, COL["loss"]] = np.tile(loss[steps[0] - 1 : steps[-1]], 2)
+        live.record(np.tile([steps[-1]] * 3 + [10.0, np.nan], (2, 1)), rows, start // 50 + 1, steps[-1])
+
+
 def test_the_live_diagnosis_judges_the_loss_over_the_whole_run_as_the_final_report_does(tmp_path):
-    """A loss that fell fast and then crept down under noise: its last 1,000 steps alone read flat, the run
-    reads improving. Live said "stopped improving" (MED) from the window, and the summary never did."""
+    """Live said "stopped improving" (MED) from its window of the last 1,000 steps, and the summary never did."""
     from pytscope_core.rundir import load_run
 
-    steps = 2500
-    t = np.arange(1, steps + 1)
-    loss = 0.3 + 2.0 * np.exp(-t / 40) - 2e-5 * t + 0.15 * np.random.default_rng(0).standard_normal(steps)
+    loss = creeping_loss(2500)
     live = live_of(tmp_path)
-    for start in range(0, steps, 50):
-        rows = np.concatenate([rows_of(r, range(start + 1, start + 51)) for r in (0, 1)])
-        rows[:, COL["loss"]] = np.tile(loss[start : start + 50], 2)
-        live.record(np.tile([start + 50.0] * 3 + [10.0, np.nan], (2, 1)), rows, start // 50 + 1, start + 50)
-    live.diagnose(steps)
+    record_launch(live, loss, 1, 2500, segment=0)
+    live.diagnose(2500)
     live.reporter.close()
     final = summarize(load_run(tmp_path).arrays, RunContext(world_size=2))
     assert final.convergence.trend.trend == "improving"
     codes = {f.code for f in live.findings}
     assert "CONVERGENCE.NO_PROGRESS" not in codes | {f.code for f in final.findings}
+
+
+def test_after_a_resume_the_live_diagnosis_still_judges_the_loss_over_the_whole_run(tmp_path):
+    """The resumed launch's steps alone read "stopped improving"; the run's, as the final report reads them
+    (the steps replayed since the checkpoint counted once, from the resume), read improving."""
+    from pytscope_core.analysis.convergence import loss_per_step
+    from pytscope_core.rundir import load_run
+
+    loss = creeping_loss(2500)
+    first = live_of(tmp_path)
+    record_launch(first, loss, 1, 1600, segment=0)
+    first.reporter.close()
+    loss_resumed = loss.copy()
+    loss_resumed[1500:1600] += 1e-3  # the replayed steps have new losses: only the resume's count
+    reporter = RunReporter(tmp_path, {}, console=False)
+    live = LiveDiagnosis(reporter, Segment(1, time.time(), 1500, 2), warmup=3, errors=[])
+    record_launch(live, loss_resumed, 1501, 2500, segment=1)
+    live.diagnose(2500)
+    reporter.close()
+
+    run = load_run(tmp_path, warmup=3)
+    history = live._loss_history()
+    np.testing.assert_array_equal(history.steps, run.arrays.steps)
+    np.testing.assert_allclose(history.loss, loss_per_step(run.arrays))
+    np.testing.assert_array_equal(history.counted, run.arrays.counted)
+    assert "CONVERGENCE.NO_PROGRESS" not in {f.code for f in live.findings}
+
+    resumed_only = LiveDiagnosis(RunReporter(tmp_path / "alone", {}, console=False), live.segment, 3, [])
+    record_launch(resumed_only, loss_resumed, 1501, 2500, segment=1)
+    resumed_only.diagnose(2500)
+    assert "CONVERGENCE.NO_PROGRESS" in {f.code for f in resumed_only.findings}  # (what live said before)
+
+
+def test_the_earlier_segments_loss_is_read_in_chunks_as_the_reader_reads_the_run(tmp_path, monkeypatch):
+    """Chunked, with a replayed step, rows a rank wrote itself (one also gathered) and a corrupt row: the
+    same per-step loss and warm-up as the run's arrays."""
+    import functools
+
+    from pytscope_core import live as live_module
+    from pytscope_core.analysis.convergence import loss_per_step
+    from pytscope_core.rundir import append_rank_rows, load_run
+
+    reporter = RunReporter(tmp_path, {}, console=False)
+    for segment, steps in ((0, range(1, 31)), (1, range(21, 41)), (2, range(41, 46))):
+        rows = np.concatenate([rows_of(r, steps) for r in (0, 1)])
+        rows[:, COL["segment"]] = segment
+        rows[:, COL["loss"]] = np.arange(rows.shape[0]) + 10.0 * segment
+        rows[3, COL["loss"]] = np.inf  # a non-finite loss: not in the mean
+        reporter.rows(rows)
+    corrupt = rows_of(0, range(50, 51))
+    corrupt[0, COL["wall_ms"]] = -1.0
+    reporter.rows(corrupt)
+    reporter.close()
+    own = np.concatenate([rows_of(1, range(45, 48))])  # step 45 was gathered too
+    own[:, COL["segment"]], own[:, COL["loss"]] = 2, [100.0, 7.0, 8.0]
+    append_rank_rows(tmp_path, 1, own, "SIGTERM")
+    monkeypatch.setattr(live_module, "iter_rows", functools.partial(live_module.iter_rows, chunk_rows=7))
+
+    history = live_module.earlier_loss_history(tmp_path, segment=3, warmup=2)
+    run = load_run(tmp_path, warmup=2)
+    np.testing.assert_array_equal(history.steps, run.arrays.steps)
+    np.testing.assert_allclose(history.loss, loss_per_step(run.arrays))
+    np.testing.assert_array_equal(history.counted, run.arrays.counted)
+    assert live_module.earlier_loss_history(tmp_path, segment=1, warmup=2).steps.tolist() == list(
+        range(1, 31)
+    )
 
 
 def test_the_live_loss_history_is_the_runs_per_step_loss_in_step_order_past_warm_up(tmp_path):

@@ -353,10 +353,9 @@ def first_nonfinite_columns(
 
 
 class LossHistory(NamedTuple):
-    """Every step's loss since the launch, for a diagnosis whose arrays hold only the latest steps (rank 0's
-    live window): the loss's course (trend, plateau, rise) is then judged as the final report judges it, and a
-    live "stopped improving" cannot stand against an end-of-run "improving". (After a resume the live history
-    starts at the resume; the final report also reads the segments before it.)"""
+    """Every step's loss in the run, for a diagnosis whose arrays hold only the latest steps (rank 0's live
+    window): the loss's course (trend, plateau, rise) is then judged as the final report judges it, and a
+    live "stopped improving" cannot stand against an end-of-run "improving"."""
 
     steps: np.ndarray  # (S,)
     loss: np.ndarray  # (S,) the mean over ranks of finite losses, NaN where none was
