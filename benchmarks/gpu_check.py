@@ -33,6 +33,9 @@ Checks (name: what it measures):
   process peak RSS on CPU; MFU is a number, below 100% on a GPU, with the table's
   peak for the step's precision when the GPU is in the table (`torch`: no `peak_flops=` given). CUDA runs
   under bf16 autocast, CPU in fp32; the JSON states the table's bf16/tf32/fp32 peaks for the device.
+* `accelerate` -- one process: an Accelerate loop (`Accelerator(mixed_precision="bf16")` on CUDA, the
+  prepared model, optimizer and loader, `accelerator.backward`) under `AccelerateScope`, judged as `torch`
+  (its peak from the table for the precision Accelerate names); meta.json says the integration.
 * `overhead_small`, `overhead_large` -- steps of about 5 and 50 ms on a GPU (1 and 4-10 ms on CPU):
   interleaved blocks with and without pytscope (ABBA...), ratio of median step times per pair, median
   over pairs (and of mean step times, which carry the gathers). Every step is synchronized on CUDA, so
@@ -213,6 +216,20 @@ def make_job(size: Size, device: str, seed: int = 0) -> tuple[Any, Any, list[Any
     return model, opt, xs, ys
 
 
+def batch_loader(xs: list[Any], ys: list[Any], steps: int) -> Any:
+    """A torch DataLoader of `steps` batches cycled from a few ready ones (what the integrations prepare)."""
+    from torch.utils.data import DataLoader, Dataset
+
+    class BatchSet(Dataset):  # type: ignore[type-arg]
+        def __len__(self) -> int:
+            return steps
+
+        def __getitem__(self, i: int) -> Any:
+            return xs[i % len(xs)], ys[i % len(ys)]
+
+    return DataLoader(BatchSet(), batch_size=None)
+
+
 class Batches:
     """`steps` batches cycled from a few ready ones. A class of its own: `scope.watch` wraps this loader
     instance by swapping its class, which a builtin list does not allow."""
@@ -238,9 +255,11 @@ def run_steps(
     sync_each: bool = True,
     before_forward: Callable[[], None] | None = None,
     after_step: Callable[[], None] | None = None,
+    backward: Callable[[Any], None] | None = None,
 ) -> list[float]:
     """Per-step wall times in ms, loop top to loop top; with `sync_each` every step ends with a device sync
-    (the loop's own ground truth for pytscope's CUDA-event timing). `after_step` runs after that sync."""
+    (the loop's own ground truth for pytscope's CUDA-event timing). `after_step` runs after that sync;
+    `backward` replaces `loss.backward()` (e.g. `accelerator.backward`)."""
     import torch.nn.functional as F
 
     times: list[float] = []
@@ -251,7 +270,10 @@ def run_steps(
             before_forward()
         with autocast(device, bf16):
             loss = F.cross_entropy(model(x), y)
-        loss.backward()
+        if backward is None:
+            loss.backward()
+        else:
+            backward(loss)
         opt.step()
         opt.zero_grad(set_to_none=True)
         if scope is not None:
@@ -563,7 +585,6 @@ def check_lightning(ctx: Ctx) -> Check:
     try:
         import lightning.pytorch as pl
         import torch
-        from torch.utils.data import DataLoader, Dataset
 
         from pytscope_lightning import ScopeCallback
     except ImportError as exc:
@@ -576,13 +597,6 @@ def check_lightning(ctx: Ctx) -> Check:
     flops_per_step = count_flops(model, xs[0], ys[0], ctx.device, ctx.bf16)
     steps = ctx.steps(300, 120)
     device = ctx.device
-
-    class BatchSet(Dataset):  # type: ignore[type-arg]
-        def __len__(self) -> int:
-            return steps + 1
-
-        def __getitem__(self, i: int) -> Any:
-            return xs[i % len(xs)], ys[i % len(ys)]
 
     class Module(pl.LightningModule):
         def __init__(self) -> None:
@@ -641,11 +655,82 @@ def check_lightning(ctx: Ctx) -> Check:
         num_sanity_val_steps=0,
         callbacks=[StepTimer(), callback],
     )
-    trainer.fit(Module(), train_dataloaders=DataLoader(BatchSet(), batch_size=None))
+    trainer.fit(Module(), train_dataloaders=batch_loader(xs, ys, steps + 1))
     c.numbers["size"] = dataclasses.asdict(size)
     bounds = memory_bounds(ctx, seen, rss_before, "fit")
     # The timer sees one boundary fewer than there are steps (it starts at the first step's end).
     single_process_criteria(c, ctx, run_dir, [math.nan] + loop_ms, flops_per_step, bounds, peak_given=True)
+    return c
+
+
+def check_accelerate(ctx: Ctx) -> Check:
+    c = Check(
+        "accelerate",
+        "1 process, an Accelerate loop (prepared model, optimizer, loader; accelerator.backward) + "
+        "AccelerateScope: same criteria as torch",
+    )
+    try:
+        import torch
+        from accelerate import Accelerator
+
+        from pytscope_accelerate import AccelerateScope
+    except ImportError as exc:
+        return c.skip(f"Accelerate is not installed ({exc}): pip install -e '.[accelerate]'")
+
+    size = ctx.sizes["small"]
+    model, opt, xs, ys = make_job(size, ctx.device)
+    flops_per_step = count_flops(model, xs[0], ys[0], ctx.device, ctx.bf16)
+    steps = ctx.steps(300, 120)
+    # Accelerate may set process-wide matmul precision flags: the checks after this one must not inherit them.
+    tf32 = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    accelerator = Accelerator(cpu=not ctx.cuda, mixed_precision="bf16" if ctx.cuda and ctx.bf16 else "no")
+    try:
+        model, opt, loader = accelerator.prepare(model, opt, batch_loader(xs, ys, steps))
+        in_table = ctx.cuda and table_peaks(ctx.device_name)["default"] is not None
+        peak_flops = None if in_table else NOMINAL_PEAK_FLOPS
+        c.numbers.update(
+            size=dataclasses.asdict(size),
+            peak_flops_given=peak_flops,
+            mixed_precision=str(accelerator.mixed_precision),
+            loader=type(loader).__name__,
+        )
+        run_dir = ctx.tmp / "accelerate"
+        run_steps(model, opt, Batches(xs, ys, 5), ctx.device, ctx.bf16, backward=accelerator.backward)  # warm
+        rss_before = host_peak_rss()
+        seen, after_step = allocator_readings(ctx)
+        scope = AccelerateScope(
+            accelerator,
+            run_dir=run_dir,
+            interval=50,
+            console=False,
+            flops_per_step=flops_per_step,
+            peak_flops=peak_flops,
+        )
+        scope.watch(model, opt, loader)
+        loop_ms = run_steps(
+            model,
+            opt,
+            loader,
+            ctx.device,
+            ctx.bf16,
+            scope,
+            after_step=after_step,
+            backward=accelerator.backward,
+        )
+        scope.finish()
+    finally:
+        accelerator.free_memory()
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
+    run, _ = report_of(run_dir)
+    c.expect(
+        "meta.json integration",
+        run.meta.get("integration") == "accelerate",
+        f"{run.meta.get('integration')!r}, expected 'accelerate'",
+    )
+    bounds = memory_bounds(ctx, seen, rss_before, "loop")
+    single_process_criteria(
+        c, ctx, run_dir, loop_ms, flops_per_step, bounds, peak_given=peak_flops is not None
+    )
     return c
 
 
@@ -1096,13 +1181,20 @@ WORKERS: dict[str, Callable[[int, int, int, dict[str, Any]], None]] = {"ddp": wo
 CHECKS: dict[str, Callable[[Ctx], Check]] = {
     "torch": check_torch,
     "lightning": check_lightning,
+    "accelerate": check_accelerate,
     "overhead_small": lambda ctx: overhead(ctx, "small"),
     "overhead_large": lambda ctx: overhead(ctx, "large"),
     "ddp_gpu_delay": lambda ctx: check_ddp(ctx, "gpu"),
     "ddp_host_delay": lambda ctx: check_ddp(ctx, "host"),
     "nccl": check_nccl,
 }
-SIZES_NEEDED = {"torch": "small", "lightning": "small", "overhead_small": "small", "nccl": "small"}
+SIZES_NEEDED = {
+    "torch": "small",
+    "lightning": "small",
+    "accelerate": "small",
+    "overhead_small": "small",
+    "nccl": "small",
+}
 
 
 def make_sizes(ctx: Ctx, wanted: set[str]) -> None:

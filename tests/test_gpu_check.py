@@ -12,7 +12,16 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
-CHECKS = {"torch", "lightning", "overhead_small", "overhead_large", "ddp_gpu_delay", "ddp_host_delay", "nccl"}
+CHECKS = {
+    "torch",
+    "lightning",
+    "accelerate",
+    "overhead_small",
+    "overhead_large",
+    "ddp_gpu_delay",
+    "ddp_host_delay",
+    "nccl",
+}
 CUDA_ONLY = {"ddp_gpu_delay", "nccl"}
 
 pytestmark = pytest.mark.multiproc
@@ -58,3 +67,4 @@ def test_quick_run_reports_every_check(tmp_path: Path) -> None:
     (work,) = (tmp_path / "work").iterdir()  # this run's own subfolder
     assert load_run(work / "ddp-host" / "run").arrays.world_size == 2
     assert (work / "torch" / "summary.json").exists()
+    assert (work / "accelerate" / "summary.json").exists()
