@@ -54,8 +54,8 @@ class ScopeOptions:
     console: bool = field(
         default=True,
         metadata=_doc(
-            "live findings and the summary on rank 0's console (above a progress bar: Lightning's rich or tqdm "
-            "bar, a loop's own `tqdm`, drawn again below)"
+            "live findings and the summary on rank 0's console (live findings above a progress bar: Lightning's "
+            "rich or tqdm bar, a loop's own `tqdm`, drawn again below; the summary below Lightning's finished bar)"
         ),
     )
     flops_per_step: float | None = field(

@@ -130,6 +130,8 @@ class ScopeCallback(Callback):
     def on_train_end(self, scope: Scope, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Here, not in on_fit_end: the final gather is collective and must run before DDP's teardown.
         _unhook_trainer(trainer)
+        if scope.options.console and trainer.is_global_zero:
+            _end_progress_bar(trainer)
         scope.finish()
 
     def on_exception(
@@ -330,6 +332,21 @@ def _unhook_trainer(trainer: pl.Trainer) -> None:
         trainer.fit_loop.epoch_loop.__dict__.pop(name, None)
     for owner, name in _paused_methods(trainer):
         _undo_pause_before(owner, name)
+
+
+def _end_progress_bar(trainer: pl.Trainer) -> None:
+    """Leave Lightning's own progress bar in its last frame now, as its training end or teardown would a
+    moment later, so that the end-of-run summary prints below it and ends the output (it was drawn again
+    after the summary)."""
+    from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
+
+    bar = trainer.progress_bar_callback
+    if isinstance(bar, RichProgressBar) and bar.progress is not None:
+        bar.progress.stop()  # (rich's stop is idempotent: Lightning's own call after it does nothing)
+    elif isinstance(bar, TQDMProgressBar) and bar.is_enabled:
+        bar.on_train_end(
+            trainer, trainer.lightning_module
+        )  # (closes the training bar; closing twice is a no-op)
 
 
 def _loss_of(outputs: Any, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Any:

@@ -98,6 +98,17 @@ def test_single_device_fit_is_recorded_and_reported(tmp_path: Path) -> None:
     assert json.loads(report.stdout)["run"]["steps"] == 120
 
 
+@pytest.mark.parametrize("bar", ["rich", "tqdm"])
+def test_the_summary_prints_below_lightnings_finished_progress_bar(tmp_path: Path, bar: str) -> None:
+    # The bar's last frame was drawn again after the summary (Lightning ends it at teardown): the output
+    # ended in a progress bar, not in the summary's `pytscope report` line.
+    proc = _run(JOB, "--run-dir", tmp_path / "run", "--steps", 60, "--progress-bar", bar, cwd=tmp_path)
+    out = proc.stdout
+    assert "Epoch 0" in out and "Run summary" in out, out[-3000:]
+    assert out.rindex("Epoch 0") < out.index("Run summary"), out[-3000:]
+    assert out.rstrip().splitlines()[-1].startswith("run directory:"), out[-3000:]
+
+
 def test_ddp_straggler_is_the_only_one_named_and_its_wait_is_not_communication(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     # A large injected effect (10 ms on a ~12 ms step): the test holds with another process on the cores.

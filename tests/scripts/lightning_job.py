@@ -16,7 +16,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar, TQDMProgressBar
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader, TensorDataset
@@ -227,6 +227,7 @@ def main() -> None:
         "state_dict (read by checkpoints) take this long",
     )
     p.add_argument("--fast-dev-run", action="store_true")
+    p.add_argument("--progress-bar", choices=["none", "rich", "tqdm"], default="none")
     p.add_argument("--flops-per-step", type=float, default=None)
     p.add_argument("--peak-flops", type=float, default=None)
     p.add_argument(
@@ -255,6 +256,8 @@ def main() -> None:
             peak_flops=args.peak_flops,
         )
     ]
+    if args.progress_bar != "none":
+        callbacks.append(RichProgressBar() if args.progress_bar == "rich" else TQDMProgressBar())
     if args.break_scope:
         callbacks.append(BreakScope(callbacks[0]))
     if args.callback_ms:
@@ -276,7 +279,7 @@ def main() -> None:
             logger=CSVLogger(args.csv_dir, name="", version="") if args.csv_dir else False,
             log_every_n_steps=10,
             enable_checkpointing=bool(args.ckpt_every),
-            enable_progress_bar=False,
+            enable_progress_bar=args.progress_bar != "none",
             enable_model_summary=False,
             use_distributed_sampler=not (args.uneven or args.same_data),
             val_check_interval=args.val_every or None,
