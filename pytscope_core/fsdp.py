@@ -87,7 +87,7 @@ class FSDPCommTimer:
             self._handles.append(unit.register_forward_pre_hook(self._after_unshard, with_kwargs=True))
             self._handles.append(unit.register_forward_hook(self._before_fsdp_post_forward, prepend=True))
             # FSDP2 keeps each unit's gradient-sync setting on its parameter groups; read only.
-            self._groups.extend(unit._get_fsdp_state()._fsdp_param_groups)
+            self._groups.extend(param_groups(unit._get_fsdp_state()))
         self._units.extend(units)
 
     @property
@@ -196,3 +196,13 @@ class FSDPCommTimer:
     def _end(self) -> None:
         self._open = False
         self.recorder.mark(_COMM_END)
+
+
+def param_groups(state: Any) -> list[Any]:
+    """An FSDP2 unit's parameter groups: a list since torch 2.11 or so (per-parameter meshes), one group or
+    none (a unit without parameters of its own) before."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = getattr(state, "_fsdp_param_group", None)
+    return [] if group is None else [group]

@@ -10,7 +10,8 @@ they took are seen (DIST.DESYNC) even though every rank met at the same collecti
 
 The group is created with gloo's lazy connections (`TORCH_GLOO_LAZY_INIT=1` around `new_group`, unless the
 variable is set already): pairs connect on first use, so a gather to rank 0 opens O(W) connections in all
-instead of the W x (W - 1) of a full mesh that every rank would open at creation.
+instead of the W x (W - 1) of a full mesh that every rank would open at creation (torch >= 2.8: earlier
+versions ignore the variable and open the full mesh).
 """
 
 from __future__ import annotations

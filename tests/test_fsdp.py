@@ -159,3 +159,16 @@ def test_lightning_model_parallel_strategy_goes_through_the_same_path(tmp_path):
             sorted(mine[:, COL["step"]].tolist()) == list(range(40))
             and (mine[:, COL["grad_syncs"]] == 1).all()
         )
+
+
+def test_a_units_parameter_groups_are_read_from_the_list_or_from_the_single_group_of_older_torch() -> None:
+    # torch 2.6-2.10 keep one `_fsdp_param_group` (None for a unit without parameters of its own); later
+    # releases a list `_fsdp_param_groups`. An AttributeError here disabled the scope for every FSDP2 run.
+    from types import SimpleNamespace
+
+    from pytscope_core.fsdp import param_groups
+
+    group = object()
+    assert param_groups(SimpleNamespace(_fsdp_param_groups=[group], _fsdp_param_group=group)) == [group]
+    assert param_groups(SimpleNamespace(_fsdp_param_group=group)) == [group]
+    assert param_groups(SimpleNamespace(_fsdp_param_group=None)) == []
