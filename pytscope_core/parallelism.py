@@ -18,6 +18,7 @@ from .compiled import uncompiled
 DDP = "ddp"
 FSDP2 = "fsdp2"
 FSDP2_TP = "fsdp2+tp"
+FSDP2_EARLY = "fsdp2 (torch < 2.6)"
 FSDP1 = "fsdp1"
 DEEPSPEED = "deepspeed"
 TENSOR_PARALLEL = "tensor_parallel"
@@ -26,6 +27,8 @@ NONE = "none"
 _WHY_BLIND = {
     FSDP2_TP: "FSDP2 with tensor-parallel (DTensor) parameters: the tensor-parallel collectives inside forward "
     "and backward are not timed",
+    FSDP2_EARLY: "FSDP2 before torch 2.6 keeps its hooks elsewhere, which pytscope does not time; use torch 2.6 or "
+    "later",
     FSDP1: "FSDP1 (FullyShardedDataParallel) runs its all-gathers and reduce-scatters inside its own flat-parameter "
     "hooks, which pytscope does not time; use FSDP2 (fully_shard)",
     DEEPSPEED: "DeepSpeed's engine communicates inside its own backward and step, which pytscope does not time",
@@ -97,6 +100,8 @@ def _name(model: Any) -> str:
         return FSDP1
     if fsdp2_units(model):
         return FSDP2_TP if _tensor_parallel(model, fsdp=True) else FSDP2
+    if _early_fsdp2(modules):
+        return FSDP2_EARLY
     if _tensor_parallel(model, fsdp=False):
         return TENSOR_PARALLEL
     return NONE
@@ -113,6 +118,16 @@ def fsdp2_units(model: Any) -> list[Any]:
     except ImportError:  # torch < 2.6 keeps FSDP2 elsewhere: not supported
         return []
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def _early_fsdp2(modules: list[Any]) -> bool:
+    """FSDP2 of torch 2.4 and 2.5 (`torch.distributed._composable.fsdp`), which `fsdp2_units` does not
+    take: named as such, not mistaken for tensor parallelism (its parameters are DTensors) or no wrapper."""
+    try:
+        from torch.distributed._composable.fsdp import FSDPModule
+    except ImportError:
+        return False
+    return any(isinstance(m, FSDPModule) for m in modules)
 
 
 def _fsdp1(modules: list[Any]) -> bool:

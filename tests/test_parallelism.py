@@ -80,6 +80,25 @@ def test_wrappers_are_recognised_and_only_ddp_and_fsdp2_count_as_measured():
     )
 
 
+def test_fsdp2_of_torch_before_2_6_is_named_and_said_not_measured(monkeypatch):
+    # torch 2.4-2.5 keep FSDP2 in torch.distributed._composable.fsdp only: it was read as tensor parallelism
+    # (its DTensor parameters) or as no wrapper at all, with that reason given to the user.
+    import torch.distributed._composable.fsdp as early
+    import torch.distributed.fsdp as fsdp
+
+    class EarlyFSDPModule:  # what fully_shard mixed into a module's class there
+        pass
+
+    class Sharded(torch.nn.Linear, EarlyFSDPModule):
+        pass
+
+    monkeypatch.delattr(fsdp, "FSDPModule")
+    monkeypatch.setattr(early, "FSDPModule", EarlyFSDPModule)
+    seen = detect(torch.nn.Sequential(Sharded(2, 2)), 2)
+    assert seen.name == "fsdp2 (torch < 2.6)" and not seen.comm_measured
+    assert "torch 2.6" in (seen.note or "")
+
+
 def test_scope_records_the_parallelism_it_saw():
     from pytscope_core import Scope
 
