@@ -62,6 +62,11 @@ class AccelerateScope:
         """
         return self.scope.finish()
 
+    def stop(self, reason: str) -> Any:
+        """End without meeting the other processes, where you catch an error and end this one another way: this
+        rank's ungathered steps go to its own file, the main process reports what the run holds. Idempotent."""
+        return self.scope.stop(reason)
+
     def state_dict(self) -> dict[str, Any]:
         """Small, plain, rank-agnostic: what `accelerator.save_state` stores for `register_for_checkpointing`."""
         return self.scope.state_dict()

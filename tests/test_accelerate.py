@@ -278,6 +278,46 @@ def test_live_metrics_reach_accelerate_trackers(tmp_path: Path, monkeypatch: pyt
     assert summary.efficiency.mfu == pytest.approx(3e5 / (summary.timing.mean_ms / 1e3) / 1e9)
 
 
+def test_stop_ends_the_scope_where_the_loop_caught_an_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In-process, one process: `stop(reason)` (the README's advice where an error is caught) keeps the steps
+    taken and says why the run ended; the scope is released, so a later `finish()` changes nothing."""
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "1")
+    import torch
+    from accelerate import Accelerator
+
+    from pytscope_accelerate import AccelerateScope
+
+    accelerator = Accelerator()
+    x = torch.randn(40 * 8, 8)
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8
+    )
+    model = torch.nn.Linear(8, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    scope = AccelerateScope(accelerator, tmp_path / "run", interval=10, console=False)
+    scope.watch(model, optimizer, loader)
+    try:
+        for i, (xb, yb) in enumerate(loader):
+            loss = torch.nn.functional.mse_loss(model(xb), yb)
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            scope.log(loss=loss)
+            if i == 24:
+                raise ValueError("bad batch")
+    except ValueError as exc:
+        scope.stop(f"the loop caught {exc!r}")
+    scope.finish()
+    accelerator.end_training()
+    run = load_run(tmp_path / "run")
+    assert run.arrays.n_steps == 25
+    notes = json.loads((tmp_path / "run" / "summary.json").read_text())["scope"]["notes"]
+    assert any("the loop caught ValueError('bad batch')" in n for n in notes), notes
+
+
 def test_blocked_rank_is_reported_as_hang_and_the_job_ends(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     start = time.monotonic()
