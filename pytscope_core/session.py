@@ -270,9 +270,9 @@ class RunSession:
             if coordinator.distributed and not dist_alive():
                 scope.note(
                     ("finish() was not called; at exit" if forgotten else "finish() ran after")
-                    + " the process group was destroyed: the other ranks' last steps are in their own files "
-                    "(ranks/), not in this summary; call finish() before destroy_process_group() / "
-                    "accelerator.end_training()",
+                    + " the process group was destroyed: the other ranks' last steps go to their own files "
+                    "(ranks/), which this summary holds only if they came first (`pytscope report` reads them); "
+                    "call finish() before destroy_process_group() / accelerator.end_training()",
                     error=True,
                     warn=self.rank == 0,  # (every rank would say the same, from rank 0's side)
                 )

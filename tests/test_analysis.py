@@ -676,6 +676,40 @@ def test_hang_reports_are_reemitted():
     )
 
 
+def test_a_hang_every_rank_went_on_past_is_the_stall_it_was():
+    # on_hang="report": rank 1 held up 12 s at step 40, the watchdog said rank 0 waited at step 41's
+    # all-reduce for a rank that never came, then every rank went on. One finding, TIMING.STALL (MED), that
+    # names the report; not also a DIST.HANG that says the rank never reached the collective.
+    report = {
+        "code": "DIST.HANG",
+        "severity": "HIGH",
+        "title": "rank 1 never reached the 41st gradient all-reduce",
+        "detail": "rank 1 in `other` for 10 s",
+        "recommendation": "see stacks",
+        "ranks": [1],
+        "steps": [41],
+    }
+    rng = np.random.default_rng(0)
+    ph = np.zeros((300, 2, 6))
+    ph[:, :, 1], ph[:, :, 2] = 4.0 + 0.1 * rng.standard_normal((300, 2)), 6.0
+    ph[39, 1, 5] += 12_000.0  # rank 1's own work at step 40
+    ph[39, 0, 3] += 12_000.0  # rank 0 waits for it in the all-reduce
+    loss = 2.0 * np.exp(-np.arange(300) / 100) + 0.5
+    findings = diagnose(
+        RunArrays.from_arrays(ph, loss=loss), RunContext(world_size=2, hang_reports=(report,))
+    )
+    codes = [f.code for f in findings]
+    assert "DIST.HANG" not in codes, codes
+    (stall,) = [f for f in findings if f.code == "TIMING.STALL"]
+    assert stall.severity == Severity.MED and stall.steps == (40,) and stall.ranks == (1,)
+    assert "reported step 40 as a hang at the time (rank 1 never reached the 41st" in stall.detail
+    # Where the run never got past it, it is the hang.
+    hung = diagnose(
+        RunArrays.from_arrays(ph[:40], loss=loss[:40]), RunContext(world_size=2, hang_reports=(report,))
+    )
+    assert [f.severity for f in hung if f.code == "DIST.HANG"] == [Severity.HIGH]
+
+
 def _rows(segment: int, steps: range, t0: float, ranks: int = 2) -> np.ndarray:
     rows = np.zeros((len(steps) * ranks, NCOLS))
     for i, step in enumerate(steps):

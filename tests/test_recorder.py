@@ -58,6 +58,24 @@ def test_a_step_closes_at_the_first_loop_top_after_the_optimizer_step():
     assert rec.window == []
 
 
+def test_an_optimizer_step_no_step_was_open_for_is_counted_so_step_n_stays_the_nth():
+    # A model compiled in place after watch(), without a watched loader: its first forward runs inside the
+    # compiled code and opens no step. That optimizer step is not timed, but the next one is step 2, not 1.
+    rec = StepRecorder(clock=FakeClock())
+    rec.mark(Mark.OPTIMIZER_BEGIN)  # (ignored: no step open)
+    rec.optimizer_stepped()
+    for _ in range(2):
+        micro_batch(rec)
+        rec.mark(Mark.OPTIMIZER_BEGIN)
+        rec.optimizer_stepped()
+    rec.close()
+    assert rec.drain(rank=0, segment=0, epoch_offset_s=0.0)[:, COL["step"]].tolist() == [2, 3]
+    assert rec.steps_done == 3
+    rec.stop()
+    rec.optimizer_stepped()  # a stopped recorder counts nothing more
+    assert rec.steps_done == 3
+
+
 def test_a_loop_without_optimizer_step_is_dropped_at_close():
     rec = StepRecorder(clock=FakeClock())
     micro_batch(rec)

@@ -494,27 +494,57 @@ def replica_drift(a: RunAnalysis) -> list[Finding]:
 @rule("DIST.HANG")
 def hang(a: RunAnalysis) -> list[Finding]:
     """Re-emits the watchdog's reports (it has already applied hang_timeout). One that every rank went on
-    past (on_hang="report", or a wait that no hang was proven for) was a stall that long, not a hang: MED at
-    most, and it says so."""
+    past (on_hang="report", or a wait that no hang was proven for) was a stall that long, not a hang: it is
+    TIMING.STALL's (`_stalls_reported_as_hangs`), or, where that rule reports no stall (a long run, whose
+    stalls are under STALL_MIN_SHARE of its wall time), MED at most, and it says so."""
+    merged = set(_stalls_reported_as_hangs(a).values())
     out = []
-    for report in a.ctx.hang_reports:
-        f = Finding.from_dict(report)
-        step = f.steps[0] if f.steps else None
-        ended = [e.last_step for e in a.rank_ends if e.last_step is not None]
-        # A hang's step is the one the waiting ranks were in: every rank completed it, so the run went on.
-        if (
-            step is not None
-            and a.last_step is not None
-            and a.last_step >= step
-            and min(ended, default=a.last_step) >= step
-        ):
+    for i, f in enumerate(_hang_reports(a)):
+        if i in merged:
+            continue
+        if _gone_past(a, f):
             f = dataclasses.replace(
                 f,
                 severity=min(f.severity, Severity.MED),
                 detail=f"{f.detail} The run went on: every rank completed that step (the run reached step "
-                f"{a.last_step}), so this was a stall of about that length, not a hang (TIMING.STALL sizes it).",
+                f"{a.last_step}), so this was a stall of about that length, not a hang.",
             )
         out.append(f)
+    return out
+
+
+def _hang_reports(a: RunAnalysis) -> list[Finding]:
+    return [Finding.from_dict(report) for report in a.ctx.hang_reports]
+
+
+def _gone_past(a: RunAnalysis, f: Finding) -> bool:
+    """Whether every rank completed the step a hang report's waiting ranks were in: the run went on."""
+    step = f.steps[0] if f.steps else None
+    ended = [e.last_step for e in a.rank_ends if e.last_step is not None]
+    return (
+        step is not None
+        and a.last_step is not None
+        and a.last_step >= step
+        and min(ended, default=a.last_step) >= step
+    )
+
+
+def _stalls_reported_as_hangs(a: RunAnalysis) -> dict[int, int]:
+    """{stall step: its hang report's index in `ctx.hang_reports`} for the stalls TIMING.STALL reports that the watchdog took
+    for a hang at the time, every rank having gone on past it: the report's step is the one the waiting ranks
+    were in, the stall the same step or the one before (the late rank's own), on a rank the report named."""
+    t = a.timing
+    if not t.stalls or t.stall_share < STALL_MIN_SHARE or not a.ctx.hang_reports:
+        return {}
+    out: dict[int, int] = {}
+    for i, f in enumerate(_hang_reports(a)):
+        if not _gone_past(a, f):
+            continue
+        step = f.steps[0]
+        for s in t.stalls:
+            if s.step in (step - 1, step) and (not f.ranks or s.rank in f.ranks) and s.step not in out:
+                out[s.step] = i
+                break
     return out
 
 
@@ -875,16 +905,26 @@ def stall(a: RunAnalysis) -> list[Finding]:
     elif worst.others_waited and a.world_size > 1:
         where += f" while the other rank{'s' if a.world_size > 2 else ''} waited for it"
     listed = ", ".join(str(s.step) for s in t.stalls)
+    hangs = _stalls_reported_as_hangs(a)
+    seen_as_hang = ""
+    if hangs:
+        first = _hang_reports(a)[hangs[min(hangs)]]
+        seen_as_hang = (
+            f" The watchdog reported step{'s' if len(hangs) > 1 else ''} {', '.join(map(str, sorted(hangs)))} as "
+            f"a hang at the time ({first.title}; stacks/ holds where every rank was), and every rank then went "
+            "on: a stall, not a hang."
+        )
+    severity = Severity.MED if t.stall_share >= STALL_MED_SHARE or hangs else Severity.LOW
     return [
         Finding(
             code="TIMING.STALL",
-            severity=Severity.MED if t.stall_share >= STALL_MED_SHARE else Severity.LOW,
+            severity=severity,
             title=f"Step {worst.step} stalled for {worst.wall_ms / 1e3:.1f} s",
             detail=(
                 f"Step {worst.step} took {worst.wall_ms / 1e3:.2f} s, {worst.wall_ms / t.median_ms:.0f}x the median "
                 f"step: {where}. Steps of at least 10x the median ({listed}"
                 f"{f' and {t.stall_count - len(t.stalls)} more' if t.stall_count > len(t.stalls) else ''}) cost "
-                f"{_pct(t.stall_share)} of wall time beyond a median step."
+                f"{_pct(t.stall_share)} of wall time beyond a median step.{seen_as_hang}"
             ),
             recommendation=f"Likely {_STALL_ADVICE[worst.phase]}. Pauses at irregular intervals in any phase "
             "can also be Python's garbage collector: call gc.freeze() once the model and loaders are built.",
