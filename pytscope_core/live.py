@@ -29,9 +29,9 @@ import numpy as np
 from .arrays import RunArrays
 from .context import CountsCheck, ReplicaCheck, RunContext, Segment
 from .findings import Finding, Severity
-from .records import COL
+from .records import COL, NCOLS
 from .reporter import RunReporter
-from .rundir import iter_rows, run_columns, sound_rows
+from .rundir import iter_rows, run_columns, run_world, sound_rows
 
 if TYPE_CHECKING:
     from .analysis import RunAnalysis
@@ -161,15 +161,23 @@ class LiveDiagnosis:
         if values is not None and self.metrics_sink is not None:
             self.metrics_sink(values, step)
 
-    def context(self) -> RunContext:
+    def context(self, first_step: int | None = None) -> RunContext:
+        """The run's context for a diagnosis of the steps from `first_step` on: a hang report every rank went
+        on past before them (said when it came, then as the stall it was) is left out, or, with its stall out
+        of the window, it would read as a hang again (`rules.hang`)."""
         with self._lock:
+            hangs = tuple(
+                h
+                for h in self.hang_reports
+                if first_step is None or not h.get("steps") or h["steps"][0] - 1 >= first_step
+            )
             return RunContext.from_meta(
                 dict(self.reporter.meta),
                 warmup=self.warmup,
                 segments=(self.segment,),
                 counts_checks=tuple(self.counts_checks),
                 replica_checks=tuple(self.replica_checks),
-                hang_reports=tuple(self.hang_reports),
+                hang_reports=hangs,
                 scope_errors=tuple(self.errors),
                 first_nonfinite=self._first_nonfinite,
             )
@@ -187,7 +195,7 @@ class LiveDiagnosis:
         arrays = RunArrays.from_rows(_rank_after_rank(window, world), warmup=self.warmup)
         if arrays.n_steps == 0:
             return
-        analysis = analyze(arrays, self.context(), history)
+        analysis = analyze(arrays, self.context(int(arrays.steps[0])), history)
         findings = run_rules(analysis)
         with self._lock:
             self.diagnoses += 1
@@ -314,26 +322,42 @@ def merge_loss_sums(parts: list[LossSums]) -> LossSums:
 
 
 def earlier_loss_history(path: Path, segment: int, warmup: int) -> LossHistory:
-    """The loss history of the run's segments before `segment`, as the final report reads them: each step's
-    mean over ranks of the finite losses that its latest segment recorded (a resume replays the steps done
-    since the checkpoint), the first `warmup` steps of each segment not counted. The rows are read a chunk at
-    a time, never all held; rows a rank wrote itself (`ranks/`) count for steps no gather brought."""
+    """The loss history of the run's segments before `segment`, as the final report reads them (`load_run`):
+    each step's mean over ranks of the finite losses that its latest segment recorded (a resume replays the
+    steps done since the checkpoint), the first `warmup` steps of each segment not counted, rows that cannot
+    be (a rank beyond the run's largest world, impossible times) left out. The gathered rows are read a chunk
+    at a time, never all held; the rows ranks wrote themselves (`ranks/`, a few intervals at most) count where
+    no gather brought that rank's step."""
     from .analysis.convergence import LossHistory
 
-    columns = run_columns(path)
-    gathered = _loss_sums_by_segment([path / "steps.f64"], columns, segment)
+    columns, world = run_columns(path), run_world(path)
     folder = path / "ranks"
-    own = _loss_sums_by_segment(sorted(folder.glob("rank*.f64")), columns, segment) if folder.is_dir() else {}
-    for seg, (steps, sums, counts) in own.items():
-        if seg in gathered:
-            new = ~np.isin(steps, gathered[seg][0])
-            gathered[seg] = merge_loss_sums([gathered[seg], (steps[new], sums[new], counts[new])])
-        else:
-            gathered[seg] = (steps, sums, counts)
-    if not gathered:
+    own = [
+        sound_rows(rows, world)[0]
+        for f in (sorted(folder.glob("rank*.f64")) if folder.is_dir() else [])
+        if f.is_file()
+        for rows in iter_rows(f, columns)
+    ]
+    own_rows = np.concatenate(own) if own else np.empty((0, NCOLS))
+    own_rows = own_rows[own_rows[:, COL["segment"]] < segment]
+    parts: dict[int, list[LossSums]] = collections.defaultdict(list)
+    gathered_keys: set[tuple[float, ...]] = set()  # (rank, segment, step) of gathered rows own rows also have
+    for rows in iter_rows(path / "steps.f64", columns) if (path / "steps.f64").is_file() else ():
+        rows, _ = sound_rows(rows, world)
+        _add_loss_sums(parts, rows, segment)
+        if own_rows.size:
+            also = rows[np.isin(rows[:, COL["step"]], own_rows[:, COL["step"]])]
+            gathered_keys.update(map(tuple, also[:, _KEY_COLS].tolist()))
+    keep = []  # each rank's own row once, and only where no gather brought it (`rundir.read_rank_files`)
+    for key in map(tuple, own_rows[:, _KEY_COLS].tolist()):
+        keep.append(key not in gathered_keys)
+        gathered_keys.add(key)
+    _add_loss_sums(parts, own_rows[keep], segment)
+    if not parts:
         return _empty_history()
-    steps, sums, counts = (np.concatenate(column) for column in zip(*gathered.values(), strict=True))
-    segs = np.concatenate([np.full(part[0].size, seg) for seg, part in gathered.items()])
+    by_segment = {seg: merge_loss_sums(p) for seg, p in parts.items()}
+    steps, sums, counts = (np.concatenate(column) for column in zip(*by_segment.values(), strict=True))
+    segs = np.concatenate([np.full(part[0].size, seg) for seg, part in by_segment.items()])
     order = np.lexsort((segs, steps))  # by step, then segment: each step's last row is its latest segment
     steps, segs, sums, counts = steps[order], segs[order], sums[order], counts[order]
     latest = np.r_[steps[1:] != steps[:-1], True]
@@ -346,18 +370,14 @@ def earlier_loss_history(path: Path, segment: int, warmup: int) -> LossHistory:
     return LossHistory(steps, loss, counted)
 
 
-def _loss_sums_by_segment(files: list[Path], columns: list[str], before: int) -> dict[int, LossSums]:
-    """{segment: (steps, sums, counts)} of the sound rows of segments before `before` in `files`."""
-    parts: dict[int, list[LossSums]] = collections.defaultdict(list)
-    for f in files:
-        if not f.is_file():
-            continue
-        for rows in iter_rows(f, columns):
-            rows, _ = sound_rows(rows)
-            segment = rows[:, COL["segment"]]
-            for seg in np.unique(segment[segment < before]):
-                parts[int(seg)].append(step_loss_sums(rows[segment == seg]))
-    return {seg: merge_loss_sums(p) for seg, p in sorted(parts.items())}
+_KEY_COLS = [COL["rank"], COL["segment"], COL["step"]]
+
+
+def _add_loss_sums(parts: dict[int, list[LossSums]], rows: np.ndarray, before: int) -> None:
+    """Each segment's (steps, sums, counts) of `rows`, for the segments before `before`, into `parts`."""
+    segment = rows[:, COL["segment"]]
+    for seg in np.unique(segment[segment < before]):
+        parts[int(seg)].append(step_loss_sums(rows[segment == seg]))
 
 
 def _empty_history() -> LossHistory:

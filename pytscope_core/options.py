@@ -35,8 +35,9 @@ class ScopeOptions:
     warmup: int = field(
         default=5,
         metadata=_doc(
-            "steps left out of statistics at the start of each segment (launch or resume); a run still in "
-            "warm-up when it ends is summarised over all its steps, with a note that they are few"
+            "steps left out of statistics at the start of each segment (launch or resume; a resumed run keeps "
+            "its first launch's); a run still in warm-up when it ends is summarised over all its steps, with a "
+            "note that they are few"
         ),
     )
     hang_timeout: float | str | None = field(

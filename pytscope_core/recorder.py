@@ -154,9 +154,7 @@ class StepRecorder:
             self._marks.append(_OPTIMIZER_END)
             self._stamps.append(self._now())
             self._stepped = True
-        elif not self._stopped:
-            # An optimizer step no step was open for (the first step of a model compiled after watch(), with
-            # no watched loader: its forward opened none) is not timed, but counted: step N stays the N-th.
+        elif not self._stopped:  # no step open (compiled after watch(), no loader): counted, not timed
             self.steps_done += 1
 
     def count_grad_sync(self) -> None:

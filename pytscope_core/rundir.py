@@ -428,6 +428,24 @@ def _bad_settings(meta: dict[str, Any]) -> list[tuple[str, Any]]:
     return bad
 
 
+def run_world(path: Path) -> int:
+    """The most ranks any launch of the run in `path` had, as the reader takes it (`sound_rows`)."""
+    try:
+        meta = json.loads((path / "meta.json").read_text())
+    except (OSError, ValueError, RecursionError):
+        meta = {}
+    return _largest_world(meta if isinstance(meta, dict) else {}, read_events(path)[0])
+
+
+def run_warmup(path: Path, default: int) -> int:
+    """The warm-up the run's reports leave out (`meta.json`'s: a resumed run keeps its first launch's)."""
+    try:
+        warmup = json.loads((path / "meta.json").read_text()).get("warmup")
+    except (OSError, ValueError, RecursionError, AttributeError):
+        return default
+    return warmup if isinstance(warmup, int) and not isinstance(warmup, bool) and warmup >= 0 else default
+
+
 def _largest_world(meta: dict[str, Any], events: list[dict[str, Any]]) -> int:
     """The most ranks any launch of the run had (a resume may change the world size); 2**24 when unknown."""
     sizes = [meta.get("world_size")] + [e.get("world_size") for e in events if e.get("type") == "segment"]

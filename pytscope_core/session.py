@@ -27,6 +27,7 @@ from .clocks import CudaEventClock
 from .context import Segment
 from .coordinator import DISABLED_KEY, STORE_PREFIX, default_store, dist_alive
 from .findings import Finding
+from .rundir import run_warmup
 from .signals import SigtermChain
 
 # (imported now: it binds the clocks early)
@@ -80,9 +81,8 @@ class RunSession:
             world_size=scope.coordinator.world_size,
         )
         self.reporter.segment(**dataclasses.asdict(segment))
-        self.live = LiveDiagnosis(
-            self.reporter, segment, scope.options.warmup, scope.errors, scope.metrics_sink
-        )
+        warmup = run_warmup(self.run_dir, scope.options.warmup)  # (as its reports read it: meta.json's)
+        self.live = LiveDiagnosis(self.reporter, segment, warmup, scope.errors, scope.metrics_sink)
         placement = scope.coordinator.placement
         if placement.known:  # every launch: a resumed run may land on other hosts
             self.reporter.learnt(**placement.to_meta())

@@ -15,6 +15,7 @@ and an exception in any of them disables the scope, never the fit.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from collections.abc import Callable, Mapping
@@ -131,7 +132,8 @@ class ScopeCallback(Callback):
         # Here, not in on_fit_end: the final gather is collective and must run before DDP's teardown.
         _unhook_trainer(trainer)
         if scope.options.console and trainer.is_global_zero:
-            _end_progress_bar(trainer)
+            with contextlib.suppress(Exception):  # (cosmetic: never a reason to lose the summary)
+                _end_progress_bar(trainer)
         scope.finish()
 
     def on_exception(

@@ -703,6 +703,14 @@ def test_a_hang_every_rank_went_on_past_is_the_stall_it_was():
     (stall,) = [f for f in findings if f.code == "TIMING.STALL"]
     assert stall.severity == Severity.MED and stall.steps == (40,) and stall.ranks == (1,)
     assert "reported step 40 as a hang at the time (rank 1 never reached the 41st" in stall.detail
+    # A stall on a rank the report did not name is another event: the report stays a hang that went on.
+    other = ph.copy()
+    other[39, 1, 5], other[39, 0, 5] = ph[39, 0, 5], ph[39, 1, 5]
+    other[39, 0, 3], other[39, 1, 3] = 0.0, 12_000.0
+    elsewhere = diagnose(
+        RunArrays.from_arrays(other, loss=loss), RunContext(world_size=2, hang_reports=(report,))
+    )
+    assert [f.severity for f in elsewhere if f.code == "DIST.HANG"] == [Severity.MED]
     # Where the run never got past it, it is the hang.
     hung = diagnose(
         RunArrays.from_arrays(ph[:40], loss=loss[:40]), RunContext(world_size=2, hang_reports=(report,))

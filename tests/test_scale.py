@@ -366,7 +366,8 @@ def test_after_a_resume_the_live_diagnosis_still_judges_the_loss_over_the_whole_
 
 
 def test_the_earlier_segments_loss_is_read_in_chunks_as_the_reader_reads_the_run(tmp_path, monkeypatch):
-    """Chunked, with a replayed step, rows a rank wrote itself (one also gathered) and a corrupt row: the
+    """Chunked, with a replayed step, rows a rank wrote itself (one also gathered; one of a step a gather
+    brought for the other rank only) and corrupt rows (a negative time; a rank beyond the run's world): the
     same per-step loss and warm-up as the run's arrays."""
     import functools
 
@@ -374,16 +375,19 @@ def test_the_earlier_segments_loss_is_read_in_chunks_as_the_reader_reads_the_run
     from pytscope_core.analysis.convergence import loss_per_step
     from pytscope_core.rundir import append_rank_rows, load_run
 
-    reporter = RunReporter(tmp_path, {}, console=False)
+    reporter = RunReporter(tmp_path, {"world_size": 2}, console=False)
     for segment, steps in ((0, range(1, 31)), (1, range(21, 41)), (2, range(41, 46))):
         rows = np.concatenate([rows_of(r, steps) for r in (0, 1)])
         rows[:, COL["segment"]] = segment
         rows[:, COL["loss"]] = np.arange(rows.shape[0]) + 10.0 * segment
         rows[3, COL["loss"]] = np.inf  # a non-finite loss: not in the mean
         reporter.rows(rows)
-    corrupt = rows_of(0, range(50, 51))
+    corrupt = rows_of(0, range(50, 52))
     corrupt[0, COL["wall_ms"]] = -1.0
-    reporter.rows(corrupt)
+    corrupt[1, COL["rank"]], corrupt[1, COL["loss"]] = 9, 1e6
+    late = rows_of(0, range(46, 47))  # rank 0's step 46 gathered; rank 1's in its own file
+    late[:, COL["segment"]] = 2
+    reporter.rows(np.concatenate([corrupt, late]))
     reporter.close()
     own = np.concatenate([rows_of(1, range(45, 48))])  # step 45 was gathered too
     own[:, COL["segment"]], own[:, COL["loss"]] = 2, [100.0, 7.0, 8.0]
@@ -398,6 +402,33 @@ def test_the_earlier_segments_loss_is_read_in_chunks_as_the_reader_reads_the_run
     assert live_module.earlier_loss_history(tmp_path, segment=1, warmup=2).steps.tolist() == list(
         range(1, 31)
     )
+
+
+def test_a_hang_every_rank_went_on_past_is_not_said_again_when_the_live_window_moves_on(tmp_path):
+    # Said as the stall it was while in the window; once the window had moved past the stall, the report
+    # came back as a new DIST.HANG ("never reached the 41st gradient all-reduce") 1,000 steps later.
+    from pytscope_core.findings import Finding
+
+    report = Finding.from_dict(
+        {"code": "DIST.HANG", "severity": "HIGH", "title": "rank 1 never reached the 41st gradient all-reduce",
+         "detail": "rank 1 in `other` for 10 s", "recommendation": "see stacks", "ranks": [1], "steps": [41]}
+    )  # fmt: skip
+    live = LiveDiagnosis(RunReporter(tmp_path, {}, console=False), Segment(0, time.time(), 0, 2), 5, [])
+    for gather in range(1, 25):
+        steps = range((gather - 1) * 50 + 1, gather * 50 + 1)
+        rows = np.concatenate([rows_of(r, steps) for r in (0, 1)])
+        rows[:, COL["start_s"]] = np.tile(gather * 20.0 + np.arange(50) * 0.01, 2)
+        rows[:, COL["loss"]] = np.tile(2.0 * np.exp(-np.asarray(steps) / 300) + 0.5, 2)
+        if gather == 1:
+            rows[39, COL["comm_ms"]] += 12_000  # rank 0 waits at step 40 for rank 1's 12 s
+            rows[89, COL["other_ms"]] += 12_000
+            rows[[39, 89], COL["wall_ms"]] += 12_000
+            live.hang(report, 41)
+        live.record(np.tile([steps[-1]] * 3 + [10.0, np.nan], (2, 1)), rows, gather, steps[-1])
+        live.diagnose(steps[-1])
+    live.reporter.close()
+    said = [(e["step"], e["finding"]["code"]) for e in read_events(tmp_path)[0] if e["type"] == "finding"]
+    assert (50, "TIMING.STALL") in said and not [s for s in said if s[1] == "DIST.HANG"], said
 
 
 def test_the_live_loss_history_is_the_runs_per_step_loss_in_step_order_past_warm_up(tmp_path):

@@ -121,6 +121,25 @@ def test_resume_from_state_dict_continues_the_run(tmp_path):
     assert data["run"]["steps"] == 50 and data["run"]["restarts"] == 1
 
 
+def test_a_resumed_launch_diagnoses_live_with_the_runs_warm_up(tmp_path):
+    # The final report leaves out meta.json's warm-up (the first launch's) from every segment; the live
+    # diagnosis took the resumed launch's own option, and judged other steps than the report.
+    scope, model, opt = watched_linear(tmp_path, warmup=5)
+    for _ in range(12):
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    state = scope.state_dict()
+    scope.finish()
+    resumed, model, opt = watched_linear(tmp_path, state, warmup=2)
+    for _ in range(3):
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    assert resumed.session is not None and resumed.session.live.warmup == 5
+    resumed.finish()
+
+
 def test_two_resumes_from_the_same_checkpoint_are_two_segments(tmp_path):
     # Preempted again before the next checkpoint: both launches resume from the step-20 state.
     def launch(state, steps):
