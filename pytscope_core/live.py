@@ -149,7 +149,7 @@ class LiveDiagnosis:
     def hang(self, finding: Finding, step: int) -> None:
         """Called from the watchdog thread."""
         with self._lock:
-            self.hang_reports.append(finding.to_dict())
+            self.hang_reports.append({**finding.to_dict(), "segment": self.segment.index})
             self.reporter.hang(finding, step, self.segment.index)
 
     def publish_metrics(self, step: int) -> None:

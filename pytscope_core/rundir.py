@@ -519,7 +519,7 @@ def _context(
                 replicas.append(ReplicaCheck(int(e["step"]), sums))
             elif kind == "hang":
                 Finding.from_dict(e["finding"])  # a damaged report is left out, as any unreadable event
-                hangs.append(dict(e["finding"]))
+                hangs.append({**e["finding"], "segment": e.get("segment")})  # (the launch it came from)
                 if isinstance(e.get("t"), (int, float)) and isinstance(e.get("segment"), int):
                     alive.append((e["segment"], float(e["t"])))
             elif kind == "scope_error":

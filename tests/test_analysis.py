@@ -750,6 +750,38 @@ def test_goodput_across_two_segments_with_replayed_rows():
     assert d["run"]["restarts"] == 1 and d["run"]["goodput"]["downtime_s"] == pytest.approx(10.0)
 
 
+def test_a_hang_that_ended_its_launch_stays_a_hang_after_the_resume_replays_its_step():
+    # on_hang="abort": launch 0 hung at step 41 and exited; the launcher resumed from the step-30 checkpoint
+    # and the new launch went on past step 41. That hang was not "a stall the run went on past".
+    report = {
+        "code": "DIST.HANG",
+        "severity": "HIGH",
+        "title": "rank 1 never reached the 41st gradient all-reduce",
+        "detail": "rank 1 in `data` for 300 s",
+        "recommendation": "see stacks",
+        "ranks": [1],
+        "steps": [41],
+    }
+    first = _rows(0, range(1, 41), 1000.0)
+    second = _rows(1, range(31, 101), 1400.0)
+    at_41 = second[:, COL["step"]] == 41  # the new launch stalls there too (rank 1, 20 s; rank 0 waits)
+    second[at_41 & (second[:, COL["rank"]] == 1), COL["other_ms"]] += 20_000.0
+    second[at_41 & (second[:, COL["rank"]] == 0), COL["comm_ms"]] += 20_000.0
+    second[at_41, COL["wall_ms"]] += 20_000.0
+    segments = (Segment(0, 1000.0, 0, 2), Segment(1, 1400.0, 30, 2))
+    arrays = RunArrays.from_rows(np.concatenate([first, second]), warmup=0)
+    for segment in (0, 1, None):
+        ctx = RunContext(world_size=2, segments=segments, hang_reports=({**report, "segment": segment},))
+        findings = diagnose(arrays, ctx)
+        hangs = [f.severity for f in findings if f.code == "DIST.HANG"]
+        (stall,) = [f for f in findings if f.code == "TIMING.STALL"]
+        said_as_stall = "as a hang at the time" in stall.detail
+        if segment == 0:  # the hang ended its launch: a hang, and the new launch's stall is its own
+            assert hangs == [Severity.HIGH] and not said_as_stall
+        else:  # the report's launch went on (or, with no segment, a run written before reports had one)
+            assert hangs == [] and said_as_stall
+
+
 def test_a_rank_left_out_of_a_smaller_resumed_job_is_not_called_killed():
     first = _rows(0, range(1, 51), 1000.0)
     second = _rows(1, range(41, 101), 1010.0, ranks=1)  # resumed from the step-40 checkpoint on one rank

@@ -413,6 +413,7 @@ def test_a_run_a_hang_ended_says_so_where_the_summary_is_missing(tmp_path, capsy
     assert main(["report", str(tmp_path)]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "no end-of-run summary: ended by the hang below (on_hang='abort'), killed, or still hung" in out
+    assert load_run(tmp_path).context.hang_reports[0]["segment"] == 0  # the launch it came from
 
 
 @pytest.mark.parametrize("argv", [["--json"], ["--fail-on", "HIGH"]])

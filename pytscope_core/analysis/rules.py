@@ -502,7 +502,7 @@ def hang(a: RunAnalysis) -> list[Finding]:
     for i, f in enumerate(_hang_reports(a)):
         if i in merged:
             continue
-        if _gone_past(a, f):
+        if _gone_past(a, f, a.ctx.hang_reports[i].get("segment")):
             f = dataclasses.replace(
                 f,
                 severity=min(f.severity, Severity.MED),
@@ -517,28 +517,37 @@ def _hang_reports(a: RunAnalysis) -> list[Finding]:
     return [Finding.from_dict(report) for report in a.ctx.hang_reports]
 
 
-def _gone_past(a: RunAnalysis, f: Finding) -> bool:
-    """Whether every rank completed the step a hang report's waiting ranks were in: the run went on."""
+def _gone_past(a: RunAnalysis, f: Finding, segment: object = None) -> bool:
+    """Whether every rank completed the step a hang report's waiting ranks were in: the run went on, in the
+    launch the report came from (`segment`, where known): a resume that replayed that step after the hang
+    ended its launch (on_hang="abort", the launcher's restart) went on past a hang, not a stall."""
     step = f.steps[0] if f.steps else None
     ended = [e.last_step for e in a.rank_ends if e.last_step is not None]
+    launch_went_on = (
+        not isinstance(segment, int)
+        or step is None
+        or a.launch_last_steps.get(segment, step) >= step  # (a launch without rows here: not known)
+    )
     return (
         step is not None
         and a.last_step is not None
         and a.last_step >= step
         and min(ended, default=a.last_step) >= step
+        and launch_went_on
     )
 
 
 def _stalls_reported_as_hangs(a: RunAnalysis) -> dict[int, int]:
-    """{stall step: its hang report's index in `ctx.hang_reports`} for the stalls TIMING.STALL reports that the watchdog took
-    for a hang at the time, every rank having gone on past it: the report's step is the one the waiting ranks
-    were in, the stall the same step or the one before (the late rank's own), on a rank the report named."""
+    """{stall step: its hang report's index in `ctx.hang_reports`} for the stalls TIMING.STALL reports that
+    the watchdog took for a hang at the time, every rank having gone on past it: the report's step is the one
+    the waiting ranks were in, the stall the same step or the one before (the late rank's own), on a rank the
+    report named."""
     t = a.timing
     if not t.stalls or t.stall_share < STALL_MIN_SHARE or not a.ctx.hang_reports:
         return {}
     out: dict[int, int] = {}
     for i, f in enumerate(_hang_reports(a)):
-        if not _gone_past(a, f):
+        if not _gone_past(a, f, a.ctx.hang_reports[i].get("segment")):
             continue
         step = f.steps[0]
         for s in t.stalls:

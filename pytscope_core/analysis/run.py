@@ -6,12 +6,14 @@ small frozen dataclasses it returns, so diagnosing and summarising a run costs o
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..arrays import RunArrays
+from ..arrays import RunArrays, step_segments
 from ..context import RunContext
+from ..records import COL
 from .convergence import Convergence, LossHistory, convergence
 from .data import DuplicateShards, duplicate_shards
 from .distributed import DistributedTiming, distributed_timing, with_placement
@@ -43,6 +45,9 @@ class RunAnalysis:
     memory: MemoryStats
     duplicates: DuplicateShards
     rank_ends: tuple[RankEnd, ...] = ()
+    # The last step each launch (segment) recorded, replayed steps included; only where the run holds hang
+    # reports (a hang a launch ended is not one the run went on past: `rules._gone_past`).
+    launch_last_steps: Mapping[int, int] = field(default_factory=dict)
 
 
 def analyze(arrays: RunArrays, ctx: RunContext, loss_history: LossHistory | None = None) -> RunAnalysis:
@@ -67,7 +72,23 @@ def analyze(arrays: RunArrays, ctx: RunContext, loss_history: LossHistory | None
         memory=memory_stats(arrays, ctx, sel),
         duplicates=duplicate_shards(arrays),
         rank_ends=rank_ends(arrays, ctx),
+        launch_last_steps=launch_last_steps(arrays) if ctx.hang_reports else {},
     )
+
+
+def launch_last_steps(arrays: RunArrays) -> dict[int, int]:
+    """{segment: its last recorded step}, from the rows kept and those a resume superseded."""
+    seg = step_segments(arrays.segment)
+    known = np.isfinite(seg)
+    pairs = [(seg[known], np.asarray(arrays.steps)[known])]
+    if arrays.replayed.size:
+        pairs.append((arrays.replayed[:, COL["segment"]], arrays.replayed[:, COL["step"]]))
+    out: dict[int, int] = {}
+    for segments, steps in pairs:
+        for value in np.unique(segments):
+            last = int(steps[segments == value].max())
+            out[int(value)] = max(out.get(int(value), last), last)
+    return out
 
 
 def rank_ends(arrays: RunArrays, ctx: RunContext) -> tuple[RankEnd, ...]:
