@@ -211,6 +211,17 @@ def test_finish_after_end_training_says_so(tmp_path: Path) -> None:
     assert run.arrays.n_steps == 40 and np.isfinite(run.arrays.wall_ms).all()
 
 
+def prepared_regression(accelerator: Any, steps: int, batch: int) -> tuple[Any, Any, Any]:
+    """A Linear(8, 1) regression, its SGD optimizer and a loader of `steps` batches, prepared."""
+    import torch
+
+    x = torch.randn(steps * batch, 8)
+    dataset = torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True))
+    model = torch.nn.Linear(8, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    return accelerator.prepare(model, optimizer, torch.utils.data.DataLoader(dataset, batch_size=batch))
+
+
 def test_live_metrics_reach_accelerate_trackers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """In-process, one process: every gather's metrics arrive through accelerator.log at the gather's step."""
     monkeypatch.setenv("ACCELERATE_USE_CPU", "1")
@@ -241,13 +252,7 @@ def test_live_metrics_reach_accelerate_trackers(tmp_path: Path, monkeypatch: pyt
     tracker = Recording()
     accelerator = Accelerator(log_with=[tracker])
     accelerator.init_trackers("pytscope-test")
-    x = torch.randn(30 * 16, 8)
-    loader = torch.utils.data.DataLoader(
-        torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=16
-    )
-    model = torch.nn.Linear(8, 1)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    model, optimizer, loader = prepared_regression(accelerator, steps=30, batch=16)
     scope = AccelerateScope(
         accelerator,
         tmp_path / "run",
@@ -290,13 +295,7 @@ def test_stop_ends_the_scope_where_the_loop_caught_an_error(
     from pytscope_accelerate import AccelerateScope
 
     accelerator = Accelerator()
-    x = torch.randn(40 * 8, 8)
-    loader = torch.utils.data.DataLoader(
-        torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8
-    )
-    model = torch.nn.Linear(8, 1)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    model, optimizer, loader = prepared_regression(accelerator, steps=40, batch=8)
     scope = AccelerateScope(accelerator, tmp_path / "run", interval=10, console=False)
     scope.watch(model, optimizer, loader)
     try:
