@@ -6,9 +6,8 @@ shares rank 0's CPU and interpreter with training, so a diagnosis runs only as o
 LIVE_BUDGET of wall time, over the last LIVE_STEPS steps (fewer on large jobs: LIVE_CELLS rank-steps at
 most), in one analysis pass whose result feeds both the findings and the metrics; the loss's course is judged
 over every step of the run, earlier segments included (`convergence.LossHistory`), as the final report judges
-it. Its context
-comes from the same builder as the final report's (`RunContext.from_meta`), so live and final findings judge
-the same facts.
+it. Its context comes from the same builder as the final report's (`RunContext.from_meta`), so live and final
+findings judge the same facts.
 State is guarded by one lock: the ingest thread, the training thread (integration findings, metrics) and the
 watchdog thread (a hang) all reach it. Metrics are handed to the training thread (`publish_metrics`), since
 loggers expect to be called there.
@@ -17,6 +16,7 @@ loggers expect to be called there.
 from __future__ import annotations
 
 import collections
+import contextlib
 import math
 import threading
 import time
@@ -247,13 +247,13 @@ class LiveDiagnosis:
         run's files cannot be read (the final report says what it could not read)."""
         if self._earlier is not None:
             return
-        earlier = None
+        self._earlier = _empty_history()
         if self.segment.index > 0:
-            try:
-                earlier = earlier_loss_history(self.reporter.writer.path, self.segment.index, self.warmup)
-            except (OSError, ValueError):
-                pass
-        self._earlier = earlier or _empty_history()
+            # (Any failure: the verdict then judges this launch's steps, as before; never the scope's end.)
+            with contextlib.suppress(Exception):
+                self._earlier = earlier_loss_history(
+                    self.reporter.writer.path, self.segment.index, self.warmup
+                )
 
     def _loss_history(self) -> LossHistory:
         """Every step's loss in the run, in step order (gathers may be recorded out of order when the ingest

@@ -23,7 +23,7 @@ from typing import Any
 
 try:
     import lightning.pytorch as pl
-    from lightning.pytorch.callbacks import Callback
+    from lightning.pytorch.callbacks import Callback, RichProgressBar, TQDMProgressBar
     from lightning.pytorch.utilities import rank_zero_warn
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("pytscope_lightning needs Lightning: pip install 'pytscope[lightning]'") from exc
@@ -340,15 +340,12 @@ def _end_progress_bar(trainer: pl.Trainer) -> None:
     """Leave Lightning's own progress bar in its last frame now, as its training end or teardown would a
     moment later, so that the end-of-run summary prints below it and ends the output (it was drawn again
     after the summary)."""
-    from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
-
     bar = trainer.progress_bar_callback
     if isinstance(bar, RichProgressBar) and bar.progress is not None:
         bar.progress.stop()  # (rich's stop is idempotent: Lightning's own call after it does nothing)
     elif isinstance(bar, TQDMProgressBar) and bar.is_enabled:
-        bar.on_train_end(
-            trainer, trainer.lightning_module
-        )  # (closes the training bar; closing twice is a no-op)
+        # (It closes the training bar, which Lightning's own call after it closes again: a no-op.)
+        bar.on_train_end(trainer, trainer.lightning_module)
 
 
 def _loss_of(outputs: Any, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Any:
