@@ -85,13 +85,14 @@ def say(rank: int, message: str) -> None:
         _print_line(_line(rank, message))
 
 
-def say_last(rank: int, message: str) -> None:
-    """The scope's last line before it ends the process (a hang's abort): tqdm's bars are left cleared, and a
-    rich display's hidden cursor is shown again, so that the shell's prompt or the launcher's report starts
-    on a line of its own in a usable terminal."""
+def say_last(rank: int, message: str | None) -> None:
+    """The scope's last line before it ends the process (a hang's abort), or none: tqdm's bars are left
+    cleared, and a rich display's hidden cursor is shown again, so that the shell's prompt or the launcher's
+    report starts on a line of its own in a usable terminal."""
     live = live_console()
     with progress_bars_cleared(redraw=False):
-        _print_line(_line(rank, message))
+        if message is not None:
+            _print_line(_line(rank, message))
     if live is not None:
         with contextlib.suppress(Exception):
             live.show_cursor(True)

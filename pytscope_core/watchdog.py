@@ -29,7 +29,7 @@ from typing import Any
 from .coordinator import STORE_ERRORS
 from .findings import Finding, Severity, format_ranks
 from .output import say, say_last
-from .placement import Placement
+from .placement import Placement, local_place
 from .recorder import StepRecorder
 from .timeline import Mark
 
@@ -519,7 +519,7 @@ class Watchdog(threading.Thread):
             return
         if self.rank == 0 and self.store is not None:
             self._attempt("wait for the other ranks' stacks", self._wait_for_dumps)
-        say_last(self.rank, f"hang detected, exiting with code {HANG_EXIT_CODE} (on_hang='abort')")
+        say_last(self.rank, abort_line(self.rank, local_place()[1]))
         sys.stdout.flush()
         os._exit(HANG_EXIT_CODE)
 
@@ -528,6 +528,14 @@ class Watchdog(threading.Thread):
         keys = [f"{self.prefix}/dumped/{r}" for r in range(self.world_size)]
         while _monotonic() < deadline and not self.store.check(keys):
             time.sleep(0.1)
+
+
+def abort_line(rank: int, local_rank: int) -> str | None:
+    """What a rank says as a hang's abort ends it: one line per host, not one per rank (rank 0's, and on each
+    other host its local rank 0's, for that host's own log); None for the other ranks."""
+    if rank != 0 and local_rank != 0:
+        return None
+    return f"hang detected: every rank exits with code {HANG_EXIT_CODE} (on_hang='abort')"
 
 
 def read_beats(store: Any, keys: list[str], present: set[int] | None = None) -> dict[int, bytes]:

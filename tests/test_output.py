@@ -187,10 +187,21 @@ def test_the_last_line_before_a_hang_abort_leaves_the_bars_cleared(capsys):
     bar = drawn_bar()
     try:
         capsys.readouterr()
-        say_last(0, "hang detected, exiting with code 86 (on_hang='abort')")
+        say_last(0, "hang detected: every rank exits with code 86 (on_hang='abort')")
         out, err = capsys.readouterr()
         assert err.startswith("pytscope[rank 0]: hang detected")
         assert out.startswith("\r") and "3/10" not in out  # cleared, and not drawn again before the exit
+    finally:
+        bar.close()
+
+
+def test_a_rank_with_nothing_to_say_at_a_hang_abort_still_leaves_the_bars_cleared(capsys):
+    bar = drawn_bar()
+    try:
+        capsys.readouterr()
+        say_last(1, None)
+        out, err = capsys.readouterr()
+        assert err == "" and out.startswith("\r") and "3/10" not in out
     finally:
         bar.close()
 

@@ -267,3 +267,13 @@ def test_user_code_that_mocks_the_clock_does_not_blind_the_watchdog(tmp_path, mo
     reported: list = []
     assert _aborting(tmp_path, monkeypatch, reported.append) == [watchdog.HANG_EXIT_CODE]
     assert reported[0].ranks == (0,)
+
+
+def test_a_hang_abort_is_said_once_per_host_not_once_per_rank():
+    said = {
+        (rank, local): watchdog.abort_line(rank, local)
+        for rank, local in [(0, 0), (1, 1), (4, 0), (5, 1), (3, -1)]
+    }
+    assert said[(0, 0)] == "hang detected: every rank exits with code 86 (on_hang='abort')"
+    assert said[(4, 0)] == said[(0, 0)]  # another host's first rank: that host's own log
+    assert said[(1, 1)] is None and said[(5, 1)] is None and said[(3, -1)] is None
