@@ -161,9 +161,7 @@ class StepRecorder:
         self._step_syncs += 1
 
     def set_loss(self, loss: Any) -> None:
-        """A loss logged in the open step. The step's is the last one logged, unless one of them was not
-        finite: a NaN/Inf loss is never hidden by a later one (e.g. the iteration whose optimizer step a
-        GradScaler skipped, which merges into the next step)."""
+        """A loss logged in the open step, one of those whose mean is the step's (see `step_losses`)."""
         if loss is not None:
             self._losses.append(loss)
 
@@ -248,7 +246,7 @@ class StepRecorder:
         self.last_label = None
         self.window.clear()
 
-    def _close_step(self) -> None:
+    def _close_step(self, at_last_mark: bool = False) -> None:
         # The recorder's own work (the memory read, the closed tuple) comes before the step's last stamp: it
         # is billed to the step it serves, so the step times add up to the loop's own wall time.
         done = self.steps_done + 1
@@ -256,7 +254,7 @@ class StepRecorder:
             self._last_memory = self._memory()
         closed = self._as_closed(done, self._marks, self._stamps)  # shares the lists: the end stamp
         self._marks.append(_STEP_END)  # below belongs to it
-        self._stamps.append(self._now())
+        self._stamps.append(self._stamps[-1] if at_last_mark else self._now())
         # A SIGTERM handler may read `pending_rows` between any two lines: the step is in the window or the
         # open stepped step, one statement apart, and the counters move after it.
         self.window.append(closed)
@@ -297,9 +295,10 @@ class StepRecorder:
         return self._as_closed(self.steps_done + 1, [*marks[:n], _STEP_END], [*stamps[:n], stamps[n - 1]])
 
     def close(self) -> None:
-        """End of training: close the open step if an optimizer step happened in it, else drop it."""
+        """End of training: close the open step at its last mark if an optimizer step happened in it (what
+        came after, such as evaluation after the loop's `break`, is not the step's), else drop it."""
         if self._stepped:
-            self._close_step()
+            self._close_step(at_last_mark=True)
         self.in_step = False
         self.wants_fingerprint = False
 
@@ -354,8 +353,9 @@ class StepRecorder:
 
 def step_losses(logged: list[list[Any]]) -> list[float]:
     """Each step's loss for the records: NaN when none was logged (or nothing logged was a number), +inf
-    when any logged value was NaN or infinite (so a logged NaN differs from "not logged"), else the last one
-    logged."""
+    when any logged value was NaN or infinite (so a logged NaN differs from "not logged", and is never
+    hidden by a later one, e.g. in an iteration whose optimizer step a GradScaler skipped, which merges into
+    the next step), else the mean of those logged: a gradient-accumulation window's micro-batches."""
     flat = [loss for losses in logged for loss in losses]
     values = iter(to_floats(flat))
     out = []
@@ -364,7 +364,7 @@ def step_losses(logged: list[list[Any]]) -> list[float]:
         if not vals:
             out.append(math.nan)
         elif all(math.isfinite(v) for v in vals):
-            out.append(vals[-1])
+            out.append(math.fsum(vals) / len(vals))
         else:
             out.append(math.inf)
     return out

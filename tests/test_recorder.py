@@ -95,7 +95,20 @@ def test_tensor_losses_are_resolved_only_at_drain():
     assert math.isinf(rows[0, COL["loss"]])
 
 
-def test_a_nan_or_inf_loss_is_never_hidden_by_a_later_loss_of_the_same_step():
+def test_the_last_step_ends_at_its_last_mark_not_when_training_is_ended():
+    # A loop left with `break`, then evaluation or saving before finish(): that time is not the step's.
+    clock = FakeClock()
+    rec = StepRecorder(clock=clock)
+    for _ in range(2):
+        micro_batch(rec)
+        rec.optimizer_stepped()
+    clock.t += 2_000_000_000  # two seconds after the loop
+    rec.close()
+    wall = rec.drain(0, 0, 0.0)[:, COL["wall_ms"]]
+    assert wall[1] == wall[0] - 1.0  # (the first also holds the stamp of the loop top that closed it)
+
+
+def test_a_steps_loss_is_its_micro_batches_mean_and_a_nan_or_inf_one_is_never_averaged_away():
     import torch
 
     rec = StepRecorder(clock=FakeClock())
@@ -103,7 +116,7 @@ def test_a_nan_or_inf_loss_is_never_hidden_by_a_later_loss_of_the_same_step():
         [torch.tensor(float("inf")), torch.tensor(0.5)],  # a skipped optimizer step merges two iterations
         [float("nan")],  # a NaN loss, which must read differently from "not logged"
         [],  # not logged
-        [torch.tensor(2.0), torch.tensor(0.25)],  # the last one logged
+        [torch.tensor(2.0), torch.tensor(0.25), 0.75],  # an accumulation window: the mean of its losses
     ]
     for losses in logged:
         micro_batch(rec)
@@ -112,7 +125,7 @@ def test_a_nan_or_inf_loss_is_never_hidden_by_a_later_loss_of_the_same_step():
         rec.optimizer_stepped()
     rec.close()
     loss = rec.drain(0, 0, 0.0)[:, COL["loss"]]
-    assert math.isinf(loss[0]) and math.isinf(loss[1]) and math.isnan(loss[2]) and loss[3] == 0.25
+    assert math.isinf(loss[0]) and math.isinf(loss[1]) and math.isnan(loss[2]) and loss[3] == 1.0
 
 
 def test_the_recorders_own_work_is_inside_the_step_it_serves():
