@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -21,18 +21,43 @@ _DEVICE_POSITIONS: dict[tuple[int, Any], Any] = {}  # (numel, device) -> the sam
 _HASH_BITS = 48  # fits a float64 column exactly
 
 
-def first_tensor(obj: Any, accept: Callable[[Any], bool] | None = None, _depth: int = 0) -> Any:
+def first_tensor(obj: Any, accept: Callable[[Any], bool] | None = None) -> Any:
     """The first tensor (that `accept`s, when given) in a tensor, sequence or mapping, searched three levels
     deep and four items wide, else None."""
+    found = tensors(obj, 1, accept)
+    return found[0] if found else None
+
+
+def tensors(obj: Any, limit: int, accept: Callable[[Any], bool] | None = None, _depth: int = 0) -> list[Any]:
+    """Up to `limit` tensors (that `accept`, when given) in a tensor, sequence or mapping (a dict, or one
+    like transformers' `BatchEncoding`), in order, searched three levels deep and four items wide."""
     if getattr(obj, "shape", None) is not None and hasattr(obj, "dtype"):
-        return obj if accept is None or accept(obj) else None
+        return [obj] if accept is None or accept(obj) else []
+    found: list[Any] = []
     if _depth < 3:
-        values = obj.values() if isinstance(obj, dict) else obj[:4] if isinstance(obj, (list, tuple)) else ()
+        values = (
+            obj.values()
+            if isinstance(obj, (dict, Mapping))
+            else obj[:4]
+            if isinstance(obj, (list, tuple))
+            else ()
+        )
         for value in values:
-            t = first_tensor(value, accept, _depth + 1)
-            if t is not None:
-                return t
-    return None
+            found += tensors(value, limit - len(found), accept, _depth + 1)
+            if len(found) >= limit:
+                break
+    return found
+
+
+def batch_tensor(batch: Any) -> Any:
+    """The tensor that stands for a batch held in a mapping or a nested sequence: of its first four tensors,
+    the first whose leading dimension is the one most of them share, the batch size (a mask or a table
+    listed first, whose leading dimension is something else, is passed over); None without a tensor."""
+    found = tensors(batch, 4)
+    if len(found) < 2:
+        return found[0] if found else None
+    leads = [t.shape[0] if len(t.shape) else None for t in found]
+    return found[leads.index(max(leads, key=leads.count))]  # (max: the first of the most common)
 
 
 def fingerprint(tensor: Any) -> Any:

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from .backward import BackwardTimer
-from .batches import fingerprint, first_tensor
+from .batches import batch_tensor, fingerprint
 from .compiled import CallWrappers, compiled_in_place, is_compiling_function, outside_compiled, uncompiled
 from .flops import FlopEstimate
 from .fsdp import FSDPCommTimer
@@ -330,11 +330,11 @@ class TorchHooks:
         t = batch[0] if type(batch) in (tuple, list) and batch else batch  # (inputs, targets): the inputs
         shape = getattr(t, "shape", None)
         if not isinstance(shape, tuple):  # not a tensor or an array there: search the batch
-            t = first_tensor(batch)
+            t = batch_tensor(batch)
             shape = getattr(t, "shape", None)
         self._batch_samples = shape[0] if shape else math.nan  # (a 0-d tensor's shape is empty)
         if self.recorder.wants_fingerprint:  # of a tensor or an array (not, say, a data frame's rows)
-            self.recorder.set_fingerprint(fingerprint(t if hasattr(t, "dtype") else first_tensor(batch)))
+            self.recorder.set_fingerprint(fingerprint(t if hasattr(t, "dtype") else batch_tensor(batch)))
 
     def pause(self) -> None:
         self._paused = True

@@ -216,3 +216,21 @@ def test_logged_values_are_read_as_numbers_or_not_at_all():
     assert read[8:] == [None] * 6  # text, containers, overflow, complex, empty, unreadable: not numbers
     # A step whose only loss is not a number has no loss; a NaN loss is non-finite.
     assert math.isnan(step_losses([["abc"]])[0]) and step_losses([[torch.tensor(float("nan"))]]) == [math.inf]
+
+
+def test_a_batch_in_a_mapping_is_read_by_its_batch_size_not_by_whatever_comes_first():
+    from collections import UserDict
+
+    import torch
+
+    from pytscope_core.batches import batch_tensor
+
+    class Encoding(UserDict):  # as transformers' BatchEncoding: a Mapping, not a dict
+        pass
+
+    ids = torch.arange(6 * 16).reshape(6, 16)
+    assert batch_tensor(Encoding(input_ids=ids, labels=torch.zeros(6))) is ids
+    # A mask listed first whose leading dimension is the sequence: passed over for the tensors most share.
+    batch = {"feature_mask": torch.ones(16), "input_ids": ids, "attention_mask": torch.ones(6, 16)}
+    assert batch_tensor(batch) is ids and batch_tensor([[torch.ones(3)]]).shape == (3,)
+    assert batch_tensor({"text": ["a", "b"]}) is None
