@@ -108,6 +108,8 @@ def classify_hang(
         idle[r] = float("inf") if b is None else _idle(b)
         if b is not None and progressing(b, timeout_s):
             return None  # someone is still making progress: slow, not hung
+    if len(beats) == world_size and all(b["phase"] == "paused" for b in beats.values()):
+        return None  # every rank in a pause it was told of (an evaluation, a checkpoint): not training
     phases = TRAINING_COLLECTIVES if collective_only else WAITING_PHASES
     waiting = sorted(r for r, b in beats.items() if b["phase"] in phases)
     missing = sorted(r for r in range(world_size) if r not in waiting)

@@ -195,6 +195,15 @@ def test_a_rank_after_its_optimizer_step_is_named_at_the_step_it_just_took(tmp_p
     assert "is at step 1 in `after the optimizer step`" in finding.detail
 
 
+def test_a_pause_is_never_a_hang_when_every_rank_is_in_it_and_outlasts_four_timeouts_otherwise():
+    # A long validation (Lightning pauses it) or a checkpoint in `scope.paused()` on every rank: not training.
+    assert classify_hang({0: _beat("paused"), 1: _beat("paused")}, 2, 6.0) is None
+    waiting = {**_beat("comm"), "idle_s": 20.0}  # rank 1 waits for rank 0's evaluation on its own
+    assert classify_hang({0: {**_beat("paused"), "idle_s": 20.0}, 1: waiting}, 2, 6.0) is None
+    f = classify_hang({0: {**_beat("paused"), "idle_s": 25.0}, 1: waiting}, 2, 6.0)
+    assert f is not None and f.ranks == (0,) and f.severity.name == "HIGH"
+
+
 def test_every_rank_idle_at_one_place_is_said_but_never_ends_the_job(tmp_path, monkeypatch):
     # All ranks busy at one place (an evaluation outside paused(), a slow step) look the same as all waiting
     # in a collective pytscope does not see: MED, no abort, and reported again after progress resumes.
