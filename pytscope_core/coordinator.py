@@ -10,6 +10,7 @@ disabled rank raises) has a deadline too. Nothing here analyses or writes the ru
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -23,10 +24,16 @@ from .recorder import StepRecorder
 from .rundir import next_segment
 
 STORE_PREFIX = "pytscope"
+RESTART_ENV = "TORCHELASTIC_RESTART_COUNT"  # set by torchrun for its workers: which launch of the job this is
 FINISH_WAIT_S = 30.0  # how long finish() waits for every rank to arrive before reporting without them
 FINISH_POLL_S = 0.2
 _ALL, _GAVE_UP = b"all", b"gave up"  # the outcomes of the meeting at finish
-DISABLED_KEY = f"{STORE_PREFIX}/disabled"
+
+
+def store_prefix(segment: int) -> str:
+    """The scope's keys in the job's store, for this launch and segment: torchrun's store outlives a restart
+    of its workers, and a restarted launch must not read the last one's hang flag or disabled mark."""
+    return f"{STORE_PREFIX}/{os.environ.get(RESTART_ENV, '0')}/{segment}"
 
 
 class PeerDisabled(RuntimeError):
@@ -48,6 +55,9 @@ class Coordinator:
         self.met_at_finish = False  # the final gather had every rank: a last barrier cannot wait for the dead
         self._next_gather = interval
         self.scheduled = False  # the first step boundary (or the first after a resume) has decided the key
+        self.store_prefix = (
+            STORE_PREFIX  # the scope's keys in the job's store: per launch and segment (start)
+        )
 
     # -- start ----------------------------------------------------------------------------------------
     def start(self, run_dir: Path | None, segment: int = 0) -> tuple[Path, int]:
@@ -64,6 +74,7 @@ class Coordinator:
             self.gatherer = Gatherer(self.gather_timeout, capacity=self.interval)
             chosen = place_run(run_dir, segment) if self.rank == 0 else None
             path, segment = self.gatherer.broadcast_object(chosen)
+            self.store_prefix = store_prefix(segment)
             places = self.gatherer.gather_places(*local_place())
             if places is not None:
                 self.placement = Placement.of(places)
@@ -121,16 +132,21 @@ class Coordinator:
         store = default_store() if self.world_size > 1 else None
         if store is not None:
             try:
-                store.set(DISABLED_KEY, str(self.rank))
+                store.set(self.disabled_key, str(self.rank))
             except STORE_ERRORS:
                 pass
 
     def check_peers_enabled(self) -> None:
         store = default_store()
-        if store is not None and store.check([DISABLED_KEY]):
-            raise PeerDisabled(f"rank {store.get(DISABLED_KEY).decode()} disabled its scope")
+        if store is not None and store.check([self.disabled_key]):
+            raise PeerDisabled(f"rank {store.get(self.disabled_key).decode()} disabled its scope")
 
-    def all_ranks_arrive(self, segment: int) -> str | None:
+    @property
+    def disabled_key(self) -> str:
+        """Set in the store by a rank whose scope was disabled (this launch and segment)."""
+        return f"{self.store_prefix}/disabled"
+
+    def all_ranks_arrive(self) -> str | None:
         """Meet at the store first, so a rank that died or never finishes cannot hang the final gather. None
         when every rank arrived (the final gather may run); else why not, and this rank must not gather.
 
@@ -142,7 +158,7 @@ class Coordinator:
         store = default_store()
         if store is None:
             return None
-        key = f"{STORE_PREFIX}/finish/{segment}"
+        key = f"{self.store_prefix}/finish"
         outcome_key = f"{key}/outcome"
         store.set(f"{key}/{self.rank}", "1")
         # One counter and one key to wait on, not W keys per rank: the store's work stays O(W) at any scale.

@@ -25,7 +25,7 @@ import numpy as np
 
 from .clocks import CudaEventClock
 from .context import Segment
-from .coordinator import DISABLED_KEY, STORE_PREFIX, default_store, dist_alive
+from .coordinator import default_store, dist_alive
 from .findings import Finding
 from .rundir import run_warmup
 from .signals import SigtermChain
@@ -139,8 +139,8 @@ class RunSession:
             self._hang_timeout_s,
             self.scope.options.on_hang,
             self._report_hang,
-            prefix=f"{STORE_PREFIX}/{self.scope.segment}",
-            disabled_key=DISABLED_KEY,
+            prefix=coordinator.store_prefix,
+            disabled_key=coordinator.disabled_key,
             flush=self.flush_own_rows,
             placement=coordinator.placement if self.rank == 0 else None,
             warmup_timeout_s=self._warmup_hang_timeout_s,
@@ -280,7 +280,7 @@ class RunSession:
                 if self.rank != 0:  # rank 0 writes its own below, as a process of its own
                     self.flush_own_rows("finish() after the process group was destroyed")
             elif coordinator.distributed:
-                absent = coordinator.all_ranks_arrive(scope.segment)
+                absent = coordinator.all_ranks_arrive()
                 if absent is not None:
                     scope.note(absent, error=True)
                     self.flush_own_rows("finish without every rank")

@@ -42,6 +42,12 @@ def _main(rank: int, world: int, port: int, o: dict[str, Any]) -> None:
         pytscope_core.coordinator.FINISH_WAIT_S = o["finish_wait_s"]
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
+    if o.get("stale_keys"):  # a restarted launch, whose store (torchrun's) holds what the last one left
+        os.environ["TORCHELASTIC_RESTART_COUNT"] = "1"
+        if rank == 0:
+            for key, value in o["stale_keys"].items():
+                dist.distributed_c10d._get_default_store().set(key, value)
+        dist.barrier()
     torch.manual_seed(0)
     model = TwoHeads() if o.get("heads") else torch.nn.Sequential(*_layers())
     if o.get("work_ms"):  # forward work that takes the same wall time on every rank, however busy the cores

@@ -12,7 +12,7 @@ import pytest
 import torch.multiprocessing as mp
 
 from pytscope_core.cli import main
-from pytscope_core.coordinator import FINISH_WAIT_S
+from pytscope_core.coordinator import FINISH_WAIT_S, RESTART_ENV, store_prefix
 from pytscope_core.demo import free_port
 from pytscope_core.records import PHASES
 from pytscope_core.rundir import load_run
@@ -88,6 +88,20 @@ def test_blocked_rank_is_reported_as_hang_and_the_job_ends_fast(tmp_path):
     for r in (0, 1):
         assert "Thread" in (tmp_path / "stacks" / f"rank{r}.txt").read_text()
     assert "spin" in (tmp_path / "stacks" / "rank1.txt").read_text()  # where the missing rank is stuck
+
+
+def test_a_restarted_launch_is_not_ended_by_the_hang_flag_or_disabled_mark_of_the_launch_before(
+    tmp_path, monkeypatch
+):
+    # torchrun's store outlives a restart of its workers: after a hang's abort (or a scope disabled), the
+    # keys the first launch left there must not end or disable the next one.
+    monkeypatch.delenv(RESTART_ENV, raising=False)
+    left = [("hang", "1:abort"), ("disabled", "1"), ("finish/arrived", "2"), ("finish/outcome", "gave up")]
+    last_launch = {f"{store_prefix(0)}/{key}": value for key, value in left}
+    ddp_worker.run(2, dict(run_dir=str(tmp_path), steps=60, hang_timeout=5.0, stale_keys=last_launch))
+    s = report(tmp_path)
+    assert s["run"]["steps"] == 60 and s["run"]["ended"] and s["scope"]["errors"] == [], s["scope"]
+    assert not (tmp_path / "stacks").exists()
 
 
 def test_a_hang_in_the_first_step_is_found(tmp_path):
