@@ -92,15 +92,13 @@ def render_run(summary: Summary) -> RenderableType:
     ends = sorted(r.rank_ends, key=lambda e: (e.last_step is not None, e.last_step or 0, e.rank))
     for end in ends[:MAX_RANK_END_ROWS]:
         where = (
-            "have no record"
+            "no records"
             if end.last_step is None
-            else f"run to the last step ({end.last_step}), written by the rank itself"
+            else f"records run to the last step ({end.last_step}), written by the rank itself"
             if end.last_step == r.last_step
-            else f"end at step {end.last_step}"
+            else f"records end at step {end.last_step}"
         )
-        table.add_row(
-            f"rank {end.rank}", Text(f"records {where}: {end.reason}")
-        )  # the reason may quote an error
+        table.add_row(f"rank {end.rank}", Text(f"{where}: {end.reason}"))  # the reason may quote an error
     if len(ends) > MAX_RANK_END_ROWS:
         more = len(ends) - MAX_RANK_END_ROWS
         table.add_row("", Text(f"... and {more} more ranks' own records, with why (run.rank_ends in --json)"))
@@ -203,6 +201,8 @@ def render_distributed(summary: Summary) -> RenderableType:
     d = summary.distributed
     if summary.run.world_size < 2:
         return Group(_section("Distributed"), Text("one rank: nothing to compare"))
+    if len(d.per_rank) < 2:
+        return Group(_section("Distributed"), Text("one rank's step records: nothing to compare"))
     if not d.comm_measured:
         return Group(_section("Distributed"), Text(d.note or "communication not measured"))
     head = Text(

@@ -634,6 +634,14 @@ def test_a_rank_that_ends_early_is_called_disabled_only_after_its_scope_was(erro
     assert (end.rank, end.last_step, end.reason) == (1, 40, reason)
 
 
+def test_a_rank_killed_before_its_first_gather_is_still_a_rank_of_the_run():
+    # Rank 1 of 2 died at step 10 with an interval of 20: no row of it anywhere, but the run had two ranks.
+    only_rank_0 = RunArrays.from_arrays(np.asarray(make_run(9, 2).phases)[:, :1].copy())
+    a = analyze(only_rank_0, RunContext(world_size=2))
+    assert a.world_size == 2
+    assert [(e.rank, e.last_step) for e in a.rank_ends] == [(1, None)] and "killed" in a.rank_ends[0].reason
+
+
 def test_replica_drift_names_ranks_and_first_step():
     ctx = RunContext(
         world_size=3,

@@ -61,7 +61,9 @@ def analyze(arrays: RunArrays, ctx: RunContext, loss_history: LossHistory | None
     dist = with_placement(dist, ctx.placement)  # hosts and local ranks, for the report's per-rank table
     return RunAnalysis(
         ctx=ctx,
-        world_size=arrays.world_size or ctx.world_size,
+        world_size=max(
+            arrays.world_size, ctx.world_size
+        ),  # (a rank killed before its first gather has no row)
         steps=arrays.n_steps,
         first_step=int(arrays.steps[0]) if arrays.n_steps else None,
         last_step=int(arrays.steps[-1]) if arrays.n_steps else None,
@@ -126,6 +128,14 @@ def rank_ends(arrays: RunArrays, ctx: RunContext) -> tuple[RankEnd, ...]:
         else:
             reason = "its last steps were never gathered (killed?)"
         out.append(RankEnd(rank, last, reason))
+    out += [  # ranks of the run without a single record: gone before their first gather and their own file
+        RankEnd(
+            r,
+            None,
+            dict(ctx.rank_notes).get(r, "none gathered nor written by it (killed before its first gather?)"),
+        )
+        for r in sorted(set(range(ctx.world_size)) - set(arrays.ranks.tolist()))
+    ]
     return tuple(out)
 
 
