@@ -235,12 +235,22 @@ class Scope:
         return {"version": 1, "run_dir": run_dir, **self.recorder.counters(), "segment": self.segment}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue the run the state came from, as a new segment; steps done before it are not recounted."""
-        self.recorder.restore(state)
-        self.segment = int(state.get("segment", 0)) + 1
+        """Continue the run the state came from, as a new segment; steps done before it are not recounted. A
+        state that cannot be read (damaged, or not this scope's) disables the scope: training goes on."""
+        try:
+            counters = {key: int(state.get(key, 0)) for key in ("step", "grad_syncs", "micro_batches")}
+            segment = int(state.get("segment", 0)) + 1
+            run_dir = state.get("run_dir")
+            if run_dir is not None and not isinstance(run_dir, str):
+                raise TypeError(f"run_dir is {type(run_dir).__name__}")
+        except (AttributeError, TypeError, ValueError) as exc:
+            self.fail(ValueError(f"a saved pytscope state that cannot be read ({exc})"))
+            return
+        self.recorder.restore(counters)
+        self.segment = segment
         self.resumed_from_step = self.recorder.steps_done
-        if self.options.run_dir is None and state.get("run_dir"):
-            self.run_dir = Path(state["run_dir"])
+        if self.options.run_dir is None and run_dir:
+            self.run_dir = Path(run_dir)
         self.coordinator.restart_schedule()
         self.flops.resumed(self.resumed_from_step)
 

@@ -92,9 +92,9 @@ class ScopeCallback(Callback):
                 # A new trainer (set up at step 0, so given a run of its own) resuming a checkpoint: the
                 # checkpoint's run continues instead, as a fresh process resuming it would.
                 self.scope = self._new_scope(self.options)
-            self.scope.load_state_dict(dict(state_dict))
+            self.scope.load_state_dict(state_dict)
         else:
-            self._restored = dict(state_dict)
+            self._restored = state_dict
 
     # -- fit start and end --------------------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

@@ -121,6 +121,20 @@ def test_resume_from_state_dict_continues_the_run(tmp_path):
     assert data["run"]["steps"] == 50 and data["run"]["restarts"] == 1
 
 
+@pytest.mark.parametrize("state", [{"step": "20", "grad_syncs": None}, {"run_dir": 3}, ["not", "a", "dict"]])
+def test_a_saved_state_that_cannot_be_read_disables_the_scope_never_the_training(tmp_path, state, capsys):
+    scope = Scope(tmp_path, console=False, hang_timeout=None)
+    scope.load_state_dict(state)  # (a damaged checkpoint, or another version's)
+    model = torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scope.watch(model, opt)
+    for _ in range(3):
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()
+    scope.finish()
+    assert not scope.enabled and "a saved pytscope state that cannot be read" in capsys.readouterr().err
+
+
 def test_a_resumed_launch_diagnoses_live_with_the_runs_warm_up(tmp_path):
     # The final report leaves out meta.json's warm-up (the first launch's) from every segment; the live
     # diagnosis took the resumed launch's own option, and judged other steps than the report.
