@@ -101,11 +101,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from .demo import check_demo, demo_run_dir, run_demo
 
     try:
-        check_demo(args.scenario, args.ranks)
+        check_demo(args.scenario, args.ranks, args.steps)
     except ValueError as exc:
         raise UsageError(f"pytscope demo: {exc}") from None
-    if args.steps < 1:
-        raise UsageError("pytscope demo: --steps must be at least 1")
     try:
         path = demo_run_dir(args.scenario, args.run_dir)
     except OSError as exc:

@@ -22,6 +22,9 @@ SPIKE_STEPS = (160, 230)  # steps whose inputs are scaled up, so the loss really
 HANG_STEP = 30  # step at which the last rank stops joining the collectives
 BATCH = 1024  # samples per rank per step
 NEEDS_RANKS = {"straggler": 2, "hang": 2}  # a fault between ranks needs another rank to wait for it
+NEEDS_STEPS = {"hang": HANG_STEP, "spike": SPIKE_STEPS[-1]}  # the fault's last step
+MAX_RANKS = 64
+MAX_STEPS = 5_000  # every step's data is made up front: about 130 KB per rank and step
 
 
 def free_port() -> int:
@@ -48,7 +51,7 @@ def run_demo(
     (`demo_run_dir`)."""
     import torch.multiprocessing as mp
 
-    check_demo(scenario, ranks)
+    check_demo(scenario, ranks, steps)
     path = demo_run_dir(scenario, run_dir)
     options = dict(scenario=scenario, steps=steps, run_dir=str(path), interval=interval, console=console)
     # The hang scenario ends in the abort it shows: torch's warning that it ends the ranks still running is noise.
@@ -69,14 +72,21 @@ def run_demo(
     return path
 
 
-def check_demo(scenario: str, ranks: int) -> None:
-    """ValueError, saying why, for a scenario that does not exist or cannot be shown on `ranks` ranks."""
+def check_demo(scenario: str, ranks: int, steps: int) -> None:
+    """ValueError, saying why, for a scenario that does not exist or cannot be shown on `ranks` ranks in
+    `steps` steps."""
     if scenario not in SCENARIOS:
         raise ValueError(f"unknown scenario {scenario!r} (choose from {', '.join(SCENARIOS)})")
     needed = NEEDS_RANKS.get(scenario, 1)
     if ranks < needed:
         why = " (a fault between ranks needs another rank to wait for it)" if needed > 1 else ""
         raise ValueError(f"the {scenario} scenario needs --ranks {needed} or more{why}")
+    if ranks > MAX_RANKS:
+        raise ValueError(f"--ranks must be at most {MAX_RANKS} (processes on this machine)")
+    if not NEEDS_STEPS.get(scenario, 0) < steps <= MAX_STEPS:
+        least = NEEDS_STEPS.get(scenario, 0) + 1
+        fault = f" (its fault comes by step {least - 1})" if least > 1 else ""
+        raise ValueError(f"the {scenario} scenario takes --steps from {least}{fault} to {MAX_STEPS}")
 
 
 def demo_run_dir(scenario: str, run_dir: str | os.PathLike[str] | None) -> Path:

@@ -155,6 +155,9 @@ def test_bad_arguments_exit_2_without_traceback():
         ["demo", "--scenario", "hang", "--ranks", "1"],
         ["demo", "--run-dir", "/proc/no-run-here"],
         ["demo", "--steps", "0"],
+        ["demo", "--steps", "100000000"],  # (its data is made up front)
+        ["demo", "--ranks", "100000"],
+        ["demo", "--scenario", "hang", "--steps", "20"],  # (the hang comes at step 30)
     ):
         proc = subprocess.run(
             [sys.executable, "-m", "pytscope_core.cli", *argv], capture_output=True, text=True
