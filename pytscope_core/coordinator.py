@@ -55,6 +55,7 @@ class Coordinator:
         self.met_at_finish = False  # the final gather had every rank: a last barrier cannot wait for the dead
         self._next_gather = interval
         self.scheduled = False  # the first step boundary (or the first after a resume) has decided the key
+        self._syncs_per_step = 1
         self.store_prefix = (
             STORE_PREFIX  # the scope's keys in the job's store: per launch and segment (start)
         )
@@ -90,7 +91,11 @@ class Coordinator:
     def schedule(self, syncs_seen: bool) -> None:
         """At the first step boundary: meet on gradient syncs where DDP syncs (a safe place to meet even
         for a rank that took one optimizer step more or less), else on optimizer steps."""
-        self.recorder.notify_on_syncs = syncs_seen and self.recorder.grad_syncs > 0
+        rec = self.recorder
+        rec.notify_on_syncs = syncs_seen and rec.grad_syncs > 0
+        # `interval` counts optimizer steps: a step that syncs more than once (accumulation without
+        # no_sync()) counts its syncs, as the first step had them (the same on every rank: collectives).
+        self._syncs_per_step = max(1, rec.window[-1].syncs) if rec.notify_on_syncs and rec.window else 1
         self.scheduled = True
         self._advance()
 
@@ -111,7 +116,8 @@ class Coordinator:
         return rec.grad_syncs if rec.notify_on_syncs else rec.steps_done
 
     def _advance(self) -> None:
-        self._next_gather = (self._key() // self.interval + 1) * self.interval
+        span = self.interval * self._syncs_per_step
+        self._next_gather = (self._key() // span + 1) * span
         self.recorder.notify_at = self._next_gather
 
     # -- the exchange ---------------------------------------------------------------------------------

@@ -8,7 +8,6 @@ compiled LightningModule in test_lightning.py.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -157,21 +156,6 @@ def test_compiled_wrappers_are_seen_through() -> None:
     lightning_style = mlp()
     lightning_style.forward = torch.compile(lightning_style.forward, backend="aot_eager")
     assert is_compiled(lightning_style)
-
-
-@pytest.fixture
-def one_rank_group() -> Iterator[None]:
-    import socket
-
-    import torch.distributed as dist
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def test_a_compiled_ddp_model_is_ddp(tmp_path: Path, one_rank_group: None) -> None:

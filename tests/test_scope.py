@@ -135,6 +135,24 @@ def test_a_saved_state_that_cannot_be_read_disables_the_scope_never_the_training
     assert not scope.enabled and "a saved pytscope state that cannot be read" in capsys.readouterr().err
 
 
+def test_gathers_come_every_interval_optimizer_steps_when_each_step_syncs_several_times(
+    tmp_path, one_rank_group
+):
+    # Gradient accumulation without no_sync(): four all-reduces per optimizer step. Gathers meet on the
+    # all-reduce count (the same on every rank), but `interval` stays a number of optimizer steps.
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scope = Scope(tmp_path, console=False, hang_timeout=None, interval=5).watch(model, opt)
+    for _ in range(20):
+        for _ in range(4):
+            model(torch.randn(4, 8)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    assert scope.coordinator.gathers == 3  # after steps 5, 10 and 15 (the run starts at the first step)
+    scope.finish()
+    assert load_run(tmp_path).arrays.grad_syncs.sum() == 80
+
+
 def test_a_resumed_launch_diagnoses_live_with_the_runs_warm_up(tmp_path):
     # The final report leaves out meta.json's warm-up (the first launch's) from every segment; the live
     # diagnosis took the resumed launch's own option, and judged other steps than the report.
