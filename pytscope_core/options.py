@@ -86,6 +86,8 @@ class ScopeOptions:
         t = self.hang_timeout
         if not (t is None or t == "auto" or (_is_number(t) and float(t) > 0)):  # type: ignore[arg-type]
             raise ValueError(f'hang_timeout must be a number of seconds > 0, "auto" or None, not {t!r}')
+        if not isinstance(self.console, bool):
+            raise ValueError(f"console must be True or False, not {self.console!r}")
         if self.on_hang not in ON_HANG:
             raise ValueError(f'on_hang must be "abort" or "report", not {self.on_hang!r}')
         for name in ("flops_per_step", "peak_flops"):

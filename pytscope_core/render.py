@@ -107,18 +107,24 @@ def render_run(summary: Summary) -> RenderableType:
         table.add_row(
             "end",
             Text(
-                "no end-of-run summary: ended by the hang below (on_hang='abort'), killed, or still hung"
+                "no end-of-run summary: ended by the hang below (on_hang='abort'), killed, or still hung "
+                "(on_hang='report')"
                 if hung
                 else "no end-of-run summary: killed (SIGKILL, out of memory, a hang's abort) or still running"
             ),
         )
     table.add_row("elapsed", _num(g.elapsed_s, ".1f", " s"))
     goodput = "n/a" if not math.isfinite(g.goodput) else f"{100 * g.goodput:.1f}%"
-    table.add_row(
-        "goodput",
-        f"{goodput} (downtime {_num(g.downtime_s, '.1f', ' s')}, replayed {_num(g.replayed_s, '.1f', ' s')}, "
-        f"warm-up {_num(g.warmup_s, '.1f', ' s')})",
-    )
+    lost = [
+        f"downtime {_num(g.downtime_s, '.1f', ' s')}",
+        f"replayed {_num(g.replayed_s, '.1f', ' s')}",
+        f"warm-up {_num(g.warmup_s, '.1f', ' s')}",
+    ]
+    if g.excluded_s >= 0.05:  # what the elapsed time also holds, where it is there to see
+        lost.append(f"paused (validation, checkpoints) {_num(g.excluded_s, '.1f', ' s')}")
+    if g.unaccounted_s >= 0.05:
+        lost.append(f"outside steps (start-up, gathers, teardown) {_num(g.unaccounted_s, '.1f', ' s')}")
+    table.add_row("goodput", f"{goodput} ({', '.join(lost)})")
     if r.device:
         table.add_row("device", Text(r.device))
     return Group(_section("Run summary"), table)

@@ -16,7 +16,7 @@ from pytscope_core.arrays import RunArrays
 from pytscope_core.context import CountsCheck, ReplicaCheck, RunContext, Segment
 from pytscope_core.findings import Severity
 from pytscope_core.records import COL, NCOLS
-from pytscope_core.render import render_convergence, render_distributed
+from pytscope_core.render import render_convergence, render_distributed, render_summary
 from pytscope_core.summary import summarize, summary_of
 
 TRANSFER_MS = 0.5
@@ -839,10 +839,17 @@ def test_a_pause_on_rank_0_and_the_wait_for_it_count_once_in_goodput():
     waited = (rows[:, COL["step"]] == 11) & (rows[:, COL["rank"]] == 1)
     rows[waited, COL["comm_ms"]] += 1000.0
     rows[waited, COL["wall_ms"]] += 1000.0
-    g = summarize(RunArrays.from_rows(rows, warmup=0), RunContext(world_size=2)).efficiency.goodput
+    summary = summarize(RunArrays.from_rows(rows, warmup=0), RunContext(world_size=2))
+    g = summary.efficiency.goodput
     assert g.excluded_s == pytest.approx(1.0, abs=1e-6)
     assert g.elapsed_s == pytest.approx(2.0, abs=1e-6)  # 100 steps of 10 ms and the pause, as the clock says
     assert g.goodput == pytest.approx(0.5, abs=1e-6)
+    console = Console(record=True, width=160)
+    console.print(render_summary(summary))  # the console says where the other half went
+    assert (
+        "50.0% (downtime 0.0 s, replayed 0.0 s, warm-up 0.0 s, paused (validation, checkpoints) 1.0 s)"
+        in (console.export_text())
+    )
 
 
 @pytest.mark.parametrize("steps,ranks", [(0, 2), (1, 2), (1, 1), (50, 1)])

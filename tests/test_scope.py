@@ -297,6 +297,7 @@ def test_demo_scenarios_find_their_fault(tmp_path, capsys, scenario, code):
         (dict(on_hang="exit"), "on_hang"),
         (dict(flops_per_step=0), "flops_per_step"),
         (dict(gather_timeout="soon"), "gather_timeout"),
+        (dict(console="no"), "console must be True or False"),
     ],
 )
 def test_bad_options_fail_at_construction_with_one_clear_message(options, message):
