@@ -56,7 +56,9 @@ class RunSession:
         if self.rank == 0:
             self._open_run()
         self._watchdog: Any = None
-        self._flushed = False  # this rank's own rows are written at most once...
+        # This rank's own rows are written under the first reason (the cause: a SIGTERM Lightning finishes
+        # its batch after), again only for steps done since...
+        self._flushed: tuple[str, int] | None = None  # (that reason, the steps done when written)
         self._flushing = threading.Lock()  # ...by one caller at a time (a signal may arrive during a flush)
         # Rows handed to a gather that has not returned (a peer hung): a flush writes them too.
         self._in_flight: np.ndarray | None = None
@@ -197,8 +199,12 @@ class RunSession:
         it (the caller may be another thread, or a signal handler). A flush that an exception cut short (e.g.
         a second SIGTERM whose handler raised in the middle of it) is done again by the next caller."""
         scope = self.scope
-        if self._flushed or isinstance(scope.recorder.clock, CudaEventClock):
-            return  # once (a hang, then the launcher's SIGTERM); CUDA events behind a hung kernel never resolve
+        if isinstance(scope.recorder.clock, CudaEventClock):
+            return  # CUDA events behind a hung kernel never resolve
+        if self._flushed is not None:
+            reason, steps = self._flushed
+            if scope.recorder.completed[0] <= steps:
+                return  # nothing new since (a hang, then the launcher's SIGTERM)
         if not self._flushing.acquire(blocking=False):
             return  # a flush is under way: this call interrupted it (a signal) or raced it (the watchdog)
         try:
@@ -210,8 +216,8 @@ class RunSession:
             if in_flight is not None:  # drained for a gather the main thread is still blocked in
                 rows = np.concatenate([in_flight, rows])
             last = rec.current_label() if rec.steps_done else None
-            append_rank_rows(self.run_dir, self.rank, rows, reason, at_step=last)
-            self._flushed = True
+            append_rank_rows(self.run_dir, self.rank, rows, reason, at_step=last)  # (rows again: read once)
+            self._flushed = (reason, rec.completed[0])
         finally:
             self._flushing.release()
 

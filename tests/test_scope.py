@@ -66,6 +66,28 @@ def watched_linear(run_dir, state=None, **options):
     return scope, model, opt
 
 
+def test_steps_trained_after_a_sigterm_are_written_too_under_the_sigterm(tmp_path):
+    # Lightning's SIGTERM handler lets the batch in flight finish, then raises: the scope's own handler has
+    # written this rank's rows by then, and the step trained after the signal must not be lost.
+    scope, model, opt = watched_linear(tmp_path, interval=50)
+
+    def step():
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    for _ in range(20):
+        step()
+    scope.session._on_sigterm()  # (what the signal runs)
+    step()
+    scope.session._on_sigterm()  # a second signal, nothing new: nothing written again
+    scope.stop("the fit raised SIGTERMException")
+    run = load_run(tmp_path)
+    assert list(run.arrays.steps) == list(range(1, 22))
+    assert dict(run.context.rank_notes)[0].startswith("SIGTERM")
+    assert (tmp_path / "ranks" / "rank0.jsonl").read_text().count("\n") == 2
+
+
 def test_single_process_run_records_every_step_and_reports(tmp_path):
     scope, model, loader = train(tmp_path, epochs=3)
     summary = scope.finish()
