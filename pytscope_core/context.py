@@ -41,6 +41,21 @@ class ReplicaCheck:
     checksums: tuple[float, ...]  # per rank; NaN where a rank could not compute one
 
 
+RAISED = " raised "
+"""In the reason a rank wrote its own rows with, when an exception ended it ("the fit raised ...")."""
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    """A rank that an exception ended (what it wrote with its own rows)."""
+
+    rank: int
+    reason: str  # "the process raised RuntimeError: ..."
+    last_step: int | None  # its last recorded step
+    t: float | None  # seconds since the epoch, when it wrote them (None: a run from before they were kept)
+    resumed_past: bool  # the job went on past it (a later launch recorded later steps of this rank)
+
+
 SCOPE_DISABLED = "scope disabled"
 """In the message of an error after which a rank's scope recorded nothing more (`Scope.fail`)."""
 
@@ -74,6 +89,7 @@ class RunContext:
     )
     records_lost: bool = False  # the reader dropped torn or corrupt rows: a missing step may be one of them
     rank_notes: tuple[tuple[int, str], ...] = ()  # (rank, why it wrote its own rows: "hang", "SIGTERM" ...)
+    failures: tuple[RankFailure, ...] = ()  # ranks ended by an exception, in every launch, first first
     placement: Placement = field(default_factory=Placement)  # each rank's host and local rank (meta "hosts")
     # (step, ranks) of the run's first NaN/Inf loss when it may lie before the steps analysed (the live
     # diagnosis's window of recent steps); None: judged from the steps themselves

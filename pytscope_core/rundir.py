@@ -19,6 +19,7 @@ import json
 import math
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
@@ -28,7 +29,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from .arrays import RunArrays
-from .context import CountsCheck, ReplicaCheck, RunContext, Segment
+from .context import RAISED, CountsCheck, RankFailure, ReplicaCheck, RunContext, Segment
 from .findings import Finding
 from .records import COL, COLUMNS, NCOLS, PHASE_COLS
 
@@ -125,7 +126,7 @@ def append_rank_rows(
         with open(folder / f"rank{rank}.f64", "ab") as f:
             f.write(np.ascontiguousarray(in_layout(rows, run_columns(path)), dtype="<f8").tobytes())
     last = rows[:, COLUMNS.index("step")].max() if rows.size else at_step
-    line = {"rank": rank, "reason": reason, "rows": int(rows.shape[0]), "last_step": last}
+    line = {"rank": rank, "reason": reason, "rows": int(rows.shape[0]), "last_step": last, "t": time.time()}
     with open(folder / f"rank{rank}.jsonl", "a") as f:
         f.write(json.dumps(_jsonable(line)) + "\n")
 
@@ -159,16 +160,17 @@ def in_layout(rows: np.ndarray, columns: list[str]) -> np.ndarray:
 
 def read_rank_files(
     path: Path, columns: list[str] | None, known: np.ndarray, problems: list[str]
-) -> tuple[np.ndarray, dict[int, str]]:
-    """Rows the ranks wrote themselves that are not already in `known` (the gathered rows), and each such
+) -> tuple[np.ndarray, dict[int, str], list[RankFailure]]:
+    """Rows the ranks wrote themselves that are not already in `known` (the gathered rows), each such
     rank's last stated reason, unless its records go on past the step it wrote (a hang reported with
-    on_hang="report" that cleared: the reason did not end the rank's records). A file that cannot be read is
-    left out, said in `problems`; a folder that cannot be listed raises OSError."""
+    on_hang="report" that cleared, a launch resumed: the reason did not end the rank's records), and every
+    rank an exception ended, first first. A file that cannot be read is left out, said in `problems`; a
+    folder that cannot be listed raises OSError."""
     folder = path / "ranks"
     if not folder.is_dir():
         if folder.exists():
             raise NotADirectoryError(errno.ENOTDIR, "not a folder")
-        return np.empty((0, NCOLS)), {}
+        return np.empty((0, NCOLS)), {}, []
     names = sorted(os.listdir(folder))  # (unlike glob, says when the folder cannot be listed)
 
     def rank_files(suffix: str) -> list[str]:
@@ -191,20 +193,38 @@ def read_rank_files(
         rows = rows[keep]
     every = np.concatenate([known, rows])
     reasons: dict[int, str] = {}
+    failures: list[RankFailure] = []
     for n in rank_files(".jsonl"):
         text = _read_or_note(partial((folder / n).read_text, errors="replace"), f"ranks/{n}", problems, "")
         for line in text.splitlines():
             try:
                 entry = json.loads(line)
-                rank, last = int(entry["rank"]), entry.get("last_step")
+                rank, last, reason = int(entry["rank"]), entry.get("last_step"), str(entry["reason"])
                 later = every[:, COL["step"]][every[:, COL["rank"]] == rank]
-                if last is not None and later.size and float(np.nanmax(later)) > float(last):
+                went_on = last is not None and later.size > 0 and float(np.nanmax(later)) > float(last)
+                if RAISED in reason and not reason.split(RAISED, 1)[1].startswith(NOT_FAILURES):
+                    t = entry.get("t")
+                    at = float(t) if isinstance(t, (int, float)) and math.isfinite(t) else None
+                    step = int(last) if last is not None else None
+                    failures.append(RankFailure(rank, reason, step, at, went_on))
+                if went_on:
                     reasons.pop(rank, None)
                     continue
-                reasons[rank] = str(entry["reason"])
-            except (ValueError, KeyError, TypeError, RecursionError):
+                reasons[rank] = reason
+            except (ValueError, KeyError, TypeError, OverflowError, RecursionError):
                 continue
-    return rows, reasons
+    failures.sort(key=lambda f: (f.t is None, f.t or 0.0, _follows_a_peer(f.reason), f.rank))
+    return rows, reasons, failures
+
+
+NOT_FAILURES = ("KeyboardInterrupt", "SystemExit")  # a user's Ctrl-C, a script's exit: ended, not failed
+FOLLOWS_A_PEER = ("by peer", "remote worker", "communicator was aborted")
+"""In a collective's error when another rank left first: where the times do not tell (a run from before they
+were written), such a failure comes after the others."""
+
+
+def _follows_a_peer(reason: str) -> bool:
+    return any(text in reason for text in FOLLOWS_A_PEER)
 
 
 @dataclass
@@ -320,8 +340,8 @@ def _load_run(root: Path, warmup: int | None) -> Run:
     rows = _read_or_note(lambda: read_rows(root, columns), "steps.f64", problems, np.empty((0, NCOLS)))
     if not (root / "steps.f64").exists():
         problems.append("steps.f64 is missing: no gathered step records (only the ranks' own files, if any)")
-    no_rank_files: tuple[np.ndarray, dict[int, str]] = (np.empty((0, NCOLS)), {})
-    own_rows, rank_reasons = _read_or_note(
+    no_rank_files: tuple[np.ndarray, dict[int, str], list[RankFailure]] = (np.empty((0, NCOLS)), {}, [])
+    own_rows, rank_reasons, failures = _read_or_note(
         lambda: read_rank_files(root, columns, rows, problems), "ranks/", problems, no_rank_files
     )
     if own_rows.size:
@@ -350,8 +370,10 @@ def _load_run(root: Path, warmup: int | None) -> Run:
     w = int(meta.get("warmup", 5)) if warmup is None else warmup
     arrays = RunArrays.from_rows(rows, warmup=w)
     context = _context(meta, events, arrays, w, problems)
-    if rank_reasons:
-        context = dataclasses.replace(context, rank_notes=tuple(sorted(rank_reasons.items())))
+    if rank_reasons or failures:
+        context = dataclasses.replace(
+            context, rank_notes=tuple(sorted(rank_reasons.items())), failures=tuple(failures)
+        )
     if corrupt or torn:
         context = dataclasses.replace(context, records_lost=True)
     if not (root / "summary.json").is_file():  # written last, by the end of the run

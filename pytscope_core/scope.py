@@ -160,8 +160,7 @@ class Scope:
         self.recorder.use_clock(clock, clock.peak_memory)
 
     def watch_backward(self, model: Any) -> None:
-        """Time backward and exposed gradient communication from `model`'s parameters (integrations that mark
-        forward themselves)."""
+        """Time backward and exposed gradient communication from `model`'s parameters (integrations)."""
         try:
             self.flops.note_model(model)
             self.hooks.watch_backward(model)
@@ -170,13 +169,11 @@ class Scope:
 
     def watch_replicas(self, model: Any) -> None:
         """Compare this data-parallel model's parameters across ranks at every gather."""
-        self.replicated_model = model
-        self.hooks.is_ddp = True
+        self.replicated_model, self.hooks.is_ddp = model, True
 
     # -- time that is not training ------------------------------------------------------------------
     def pause(self) -> None:
-        """Time until `resume()` is not charged to the step (validation, checkpoint saving); forwards in
-        it are not training forwards."""
+        """Time until `resume()` is not charged to the step (validation, checkpoint saving), nor forwards."""
         if self.enabled:
             self.hooks.pause()
 
@@ -238,17 +235,11 @@ class Scope:
         """Continue the run the state came from, as a new segment; steps done before it are not recounted. A
         state that cannot be read (damaged, or not this scope's) disables the scope: training goes on."""
         try:
-            counters = {key: int(state.get(key, 0)) for key in ("step", "grad_syncs", "micro_batches")}
-            segment = int(state.get("segment", 0)) + 1
-            run_dir = state.get("run_dir")
-            if run_dir is not None and not isinstance(run_dir, str):
-                raise TypeError(f"run_dir is {type(run_dir).__name__}")
-        except (AttributeError, TypeError, ValueError) as exc:
-            self.fail(ValueError(f"a saved pytscope state that cannot be read ({exc})"))
-            return
+            counters, segment, run_dir = _read_state(state)
+        except ValueError as exc:
+            return self.fail(exc)
         self.recorder.restore(counters)
-        self.segment = segment
-        self.resumed_from_step = self.recorder.steps_done
+        self.segment, self.resumed_from_step = segment + 1, self.recorder.steps_done
         if self.options.run_dir is None and run_dir:
             self.run_dir = Path(run_dir)
         self.coordinator.restart_schedule()
@@ -368,6 +359,18 @@ def raised(exc: BaseException) -> str:
     """How a rank's end by an exception reads in the run: "raised RuntimeError: the first line of its text"."""
     text = str(exc).strip().splitlines()
     return f"raised {type(exc).__name__}" + (f": {text[0][:160]}" if text else "")
+
+
+def _read_state(state: Any) -> tuple[dict[str, int], int, str | None]:
+    """A saved state's counters, segment and run directory; ValueError, saying why, where they cannot be."""
+    try:
+        counters = {key: int(state.get(key, 0)) for key in ("step", "grad_syncs", "micro_batches")}
+        run_dir = state.get("run_dir")
+        if run_dir is not None and not isinstance(run_dir, str):
+            raise TypeError(f"run_dir is {type(run_dir).__name__}")
+        return counters, int(state.get("segment", 0)), run_dir
+    except (AttributeError, TypeError, ValueError) as exc:
+        raise ValueError(f"a saved pytscope state that cannot be read ({exc})") from None
 
 
 def _end_at_exit(scope: Scope, error_before: BaseException | None) -> None:

@@ -56,12 +56,7 @@ class RunSession:
         if self.rank == 0:
             self._open_run()
         self._watchdog: Any = None
-        # This rank's own rows are written under the first reason (the cause: a SIGTERM Lightning finishes
-        # its batch after), again only for steps done since...
-        self._flushed: tuple[str, int] | None = None  # (that reason, the steps done when written)
-        self._flushing = threading.Lock()  # ...by one caller at a time (a signal may arrive during a flush)
-        # Rows handed to a gather that has not returned (a peer hung): a flush writes them too.
-        self._in_flight: np.ndarray | None = None
+        self.own_rows = OwnRows(scope, self.run_dir, self._epoch_offset)
         self._sigterm = SigtermChain(self._on_sigterm)
         self._sigterm.install()
         if scope.options.hang_timeout is not None:
@@ -143,7 +138,7 @@ class RunSession:
             self._report_hang,
             prefix=coordinator.store_prefix,
             disabled_key=coordinator.disabled_key,
-            flush=self.flush_own_rows,
+            flush=self.own_rows.flush,
             placement=coordinator.placement if self.rank == 0 else None,
             warmup_timeout_s=self._warmup_hang_timeout_s,
         )
@@ -191,35 +186,7 @@ class RunSession:
         if self.ingest is not None:  # rank 0: what the other ranks sent is written before the process ends
             self.ingest.drain(HANG_DRAIN_S)
         where = self._watchdog.whereabouts() if self._watchdog is not None else position(self.scope.recorder)
-        self.flush_own_rows("SIGTERM" + (f" while {where}" if where else ""))
-
-    def flush_own_rows(self, reason: str) -> None:
-        """This rank's closed steps that no gather took yet, into its own file in the run directory, so the
-        report covers every rank up to a hang, a SIGTERM or an exception. Reads the recorder without changing
-        it (the caller may be another thread, or a signal handler). A flush that an exception cut short (e.g.
-        a second SIGTERM whose handler raised in the middle of it) is done again by the next caller."""
-        scope = self.scope
-        if isinstance(scope.recorder.clock, CudaEventClock):
-            return  # CUDA events behind a hung kernel never resolve
-        if self._flushed is not None:
-            reason, steps = self._flushed
-            if scope.recorder.completed[0] <= steps:
-                return  # nothing new since (a hang, then the launcher's SIGTERM)
-        if not self._flushing.acquire(blocking=False):
-            return  # a flush is under way: this call interrupted it (a signal) or raced it (the watchdog)
-        try:
-            from .rundir import append_rank_rows
-
-            rec = scope.recorder
-            rows = rec.pending_rows(self.rank, scope.segment, self._epoch_offset)
-            in_flight = self._in_flight  # (read once: the main thread clears it when its gather returns)
-            if in_flight is not None:  # drained for a gather the main thread is still blocked in
-                rows = np.concatenate([in_flight, rows])
-            last = rec.current_label() if rec.steps_done else None
-            append_rank_rows(self.run_dir, self.rank, rows, reason, at_step=last)  # (rows again: read once)
-            self._flushed = (reason, rec.completed[0])
-        finally:
-            self._flushing.release()
+        self.own_rows.flush("SIGTERM" + (f" while {where}" if where else ""))
 
     # -- gathers --------------------------------------------------------------------------------------
     def gather(self, final: bool = False) -> None:
@@ -230,10 +197,10 @@ class RunSession:
         counters = (float(rec.steps_done), float(rec.grad_syncs), float(rec.micro_batches), self._checksum())
         if self._watchdog is not None:
             self._watchdog.status = "gather"
-        self._in_flight = rows
+        self.own_rows.in_flight = rows
         try:
             ex = scope.coordinator.exchange(counters, rows)
-            self._in_flight = None
+            self.own_rows.in_flight = None
         finally:
             if self._watchdog is not None:
                 self._watchdog.status = "finished" if final else ""
@@ -284,12 +251,12 @@ class RunSession:
                 )
                 coordinator.gatherer = None
                 if self.rank != 0:  # rank 0 writes its own below, as a process of its own
-                    self.flush_own_rows("finish() after the process group was destroyed")
+                    self.own_rows.flush("finish() after the process group was destroyed")
             elif coordinator.distributed:
                 absent = coordinator.all_ranks_arrive()
                 if absent is not None:
                     scope.note(absent, error=True)
-                    self.flush_own_rows("finish without every rank")
+                    self.own_rows.flush("finish without every rank")
                     coordinator.gatherer = None
             if coordinator.distributed or self.rank == 0:
                 self.gather(final=True)
@@ -299,7 +266,7 @@ class RunSession:
     def stop(self, reason: str) -> Any:
         """End without meeting the other ranks: this rank's rows go to its own file; rank 0 reports."""
         self.stop_watching()
-        self.flush_own_rows(reason)
+        self.own_rows.flush(reason)
         # (Not an error of the scope's: the training ended it, e.g. an exception or Ctrl-C in fit().)
         self.scope.note(f"stopped without a final gather: {reason}", warn=False)
         return self.report()
@@ -363,3 +330,45 @@ def _host_memory() -> float | None:
         return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     except (ValueError, OSError, AttributeError):
         return None
+
+
+class OwnRows:
+    """This rank's closed steps that no gather took yet, written into its own file in the run directory, so
+    the report covers every rank up to a hang, a SIGTERM or an exception. `flush` reads the recorder without
+    changing it (the caller may be another thread, or a signal handler). A flush that an exception cut short
+    (e.g. a second SIGTERM whose handler raised in the middle of it) is done again by the next caller; a later
+    one writes only the steps done since, under the first reason: the cause (Lightning finishes the batch in
+    flight after a SIGTERM, then raises)."""
+
+    def __init__(self, scope: Scope, run_dir: Path, epoch_offset: float) -> None:
+        self.scope = scope
+        self.run_dir = run_dir
+        self.epoch_offset = epoch_offset
+        self.in_flight: np.ndarray | None = (
+            None  # rows handed to a gather that has not returned (a peer hung)
+        )
+        self._flushed: tuple[str, int] | None = None  # (the first reason, the steps done when written)
+        self._lock = threading.Lock()  # one caller at a time (a signal may arrive during a flush)
+
+    def flush(self, reason: str) -> None:
+        scope = self.scope
+        if isinstance(scope.recorder.clock, CudaEventClock):
+            return  # CUDA events behind a hung kernel never resolve
+        if self._flushed is not None and scope.recorder.completed[0] <= self._flushed[1]:
+            return  # nothing new since (a hang, then the launcher's SIGTERM)
+        reason = reason if self._flushed is None else self._flushed[0]
+        if not self._lock.acquire(blocking=False):
+            return  # a flush is under way: this call interrupted it (a signal) or raced it (the watchdog)
+        try:
+            from .rundir import append_rank_rows
+
+            rec, rank = scope.recorder, scope.coordinator.rank
+            rows = rec.pending_rows(rank, scope.segment, self.epoch_offset)
+            in_flight = self.in_flight  # (read once: the main thread clears it when its gather returns)
+            if in_flight is not None:  # drained for a gather the main thread is still blocked in
+                rows = np.concatenate([in_flight, rows])
+            last = rec.current_label() if rec.steps_done else None
+            append_rank_rows(self.run_dir, rank, rows, reason, at_step=last)  # (rows again: read once)
+            self._flushed = (reason, rec.completed[0])
+        finally:
+            self._lock.release()

@@ -268,3 +268,7 @@ def test_an_exception_on_one_rank_ends_the_job_at_once_and_the_report_names_it(t
     ends = {e["rank"]: e for e in s["run"]["rank_ends"]}
     assert "raised RuntimeError: injected failure [rank 1, step 30]" in ends[1]["reason"]
     assert ends[1]["last_step"] == 29 and "DIST.HANG" not in {f["code"] for f in s["findings"]}
+    # The failure that came first is named, not rank 0's lost connection that followed it.
+    (failed,) = [f for f in s["findings"] if f["code"] == "RUN.FAILED"]
+    assert failed["severity"] == "HIGH" and failed["ranks"] == [1] and failed["steps"] == [29], failed
+    assert failed["title"] == "rank 1 failed after step 29: RuntimeError: injected failure [rank 1, step 30]"

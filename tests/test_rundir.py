@@ -284,6 +284,43 @@ def test_a_rank_note_says_why_records_end_only_where_they_end(tmp_path):
     assert load_run(tmp_path / "r").context.rank_notes == ((1, "SIGTERM"),)
 
 
+def findings_of(path):
+    run = load_run(path)
+    return diagnose(run.arrays, run.context)
+
+
+def test_the_rank_whose_exception_came_first_is_named_as_the_failure(tmp_path, monkeypatch):
+    import pytscope_core.rundir as rundir
+
+    clock = iter([100.0, 99.0])  # rank 1 wrote its rows first, though after rank 0 here
+    monkeypatch.setattr(rundir.time, "time", lambda: next(clock))
+    write_run(tmp_path / "r", steps=30)
+    lost = "the process raised RuntimeError: Connection closed by peer [127.0.0.1]:1234"
+    append_rank_rows(tmp_path / "r", 0, np.empty((0, NCOLS)), lost, at_step=30)
+    append_rank_rows(
+        tmp_path / "r", 1, np.empty((0, NCOLS)), "the fit raised ValueError: bad batch", at_step=30
+    )
+    (failed,) = [f for f in findings_of(tmp_path / "r") if f.code == "RUN.FAILED"]
+    assert failed.severity is Severity.HIGH and failed.ranks == (1,) and failed.steps == (30,)
+    assert failed.title == "rank 1 failed after step 30: ValueError: bad batch" and "Rank 0 raised after" in (
+        failed.detail
+    )
+    # Written by a version that kept no times: a lost connection follows the other failure.
+    for line in (tmp_path / "r" / "ranks").glob("*.jsonl"):
+        line.write_text(json.dumps({k: v for k, v in json.loads(line.read_text()).items() if k != "t"}))
+    assert [f.ranks for f in findings_of(tmp_path / "r") if f.code == "RUN.FAILED"] == [(1,)]
+
+
+def test_a_failure_the_job_resumed_past_is_med_and_a_users_interrupt_is_no_failure(tmp_path):
+    write_run(tmp_path / "r")  # 60 steps
+    append_rank_rows(tmp_path / "r", 1, np.empty((0, NCOLS)), "the process raised OSError: disk", at_step=30)
+    (failed,) = [f for f in findings_of(tmp_path / "r") if f.code == "RUN.FAILED"]
+    assert failed.severity is Severity.MED and "resumed past it" in failed.detail
+    write_run(tmp_path / "c", steps=30)
+    append_rank_rows(tmp_path / "c", 0, np.empty((0, NCOLS)), "the fit raised KeyboardInterrupt", at_step=30)
+    assert "RUN.FAILED" not in {f.code for f in findings_of(tmp_path / "c")}
+
+
 def test_what_cannot_be_read_is_said_and_the_rest_kept(tmp_path, monkeypatch):
     """No permission (as a user other than root sees it): a run directory that cannot be looked into is bad
     input, one rank's unreadable file leaves the other ranks' rows read, with a note naming it."""

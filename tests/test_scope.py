@@ -529,7 +529,7 @@ def test_a_flush_cut_short_by_a_second_sigterm_is_done_by_the_next_caller(tmp_pa
             model(torch.randn(2, 4)).sum().backward(); opt.step(); opt.zero_grad()
         os.kill(os.getpid(), signal.SIGTERM)
         assert raised and not (rundir.Path({str(tmp_path)!r}) / "ranks").exists()
-        scope.session.flush_own_rows("the fit raised RuntimeError")
+        scope.session.own_rows.flush("the fit raised RuntimeError")
         os._exit(0)  # ends like a killed job: no final gather
     """)
     proc = run_job(tmp_path, script)

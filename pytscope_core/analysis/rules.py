@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable
 
 import numpy as np
 
+from ..context import RAISED
 from ..findings import Finding, Severity, format_ranks, severity_at
 from .distributed import CountDivergence
 from .run import RunAnalysis
@@ -554,6 +555,51 @@ def _stalls_reported_as_hangs(a: RunAnalysis) -> dict[int, int]:
             if s.step in (step - 1, step) and (not f.ranks or s.rank in f.ranks) and s.step not in out:
                 out[s.step] = i
                 break
+    return out
+
+
+@rule("RUN.FAILED")
+def failed(a: RunAnalysis) -> list[Finding]:
+    """The rank whose exception came first, each time one ended a launch: the other ranks' errors (a
+    collective's "connection closed by peer") most likely followed from it. HIGH where it ended the run, MED
+    where the job was resumed past it (the restart's cost is in the goodput)."""
+    out, seen = [], set()
+    for first in a.ctx.failures:
+        launch = first.resumed_past  # one finding per launch: its failures went on past, or none did
+        if launch in seen:
+            continue
+        seen.add(launch)
+        others = [f for f in a.ctx.failures if f.resumed_past == launch and f.rank != first.rank]
+        after = "" if first.last_step is None else f" after step {first.last_step}"
+        what = first.reason.split(RAISED, 1)[-1]
+        detail = f"Rank {first.rank} raised {what}{after}."
+        if others:
+            ranks = sorted({f.rank for f in others})
+            then = others[0].reason.split(RAISED, 1)[-1]
+            detail += (
+                f" Rank{'s' if len(ranks) > 1 else ''} {format_ranks(ranks)} raised after it "
+                f"({then[:60]}{'…' if len(then) > 60 else ''}), most likely because rank {first.rank} had left."
+            )
+        detail += (
+            " The job was resumed past it (restarts: the goodput line)."
+            if launch
+            else " The run ended there."
+        )
+        out.append(
+            Finding(
+                code="RUN.FAILED",
+                severity=Severity.MED if launch else Severity.HIGH,
+                title=f"rank {first.rank} failed{after}: {what}"[:160],
+                detail=detail,
+                recommendation=(
+                    f"Read rank {first.rank}'s traceback first (its own log; torchrun names the first failure "
+                    "too): the other ranks' errors followed from it."
+                ),
+                ranks=(first.rank,),
+                steps=() if first.last_step is None else (first.last_step,),
+                evidence={"failed_ranks": len({f.rank for f in a.ctx.failures if f.resumed_past == launch})},
+            )
+        )
     return out
 
 
