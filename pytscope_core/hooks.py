@@ -24,7 +24,7 @@ from .batches import batch_tensor, fingerprint
 from .compiled import CallWrappers, compiled_in_place, is_compiling_function, outside_compiled, uncompiled
 from .flops import FlopEstimate
 from .fsdp import FSDPCommTimer
-from .loader import watch_loader
+from .loader import batches_per_epoch, watch_loader
 from .parallelism import fsdp2_units
 from .recorder import StepRecorder
 from .timeline import Mark
@@ -70,6 +70,7 @@ class TorchHooks:
     ) -> None:
         self.recorder = recorder
         self.loader_watched = False
+        self.loader_batches: int | None = None  # the watched loader's batches per epoch (-1: it has no len)
         self.is_ddp = False
         self._paused = False  # pause() / resume(), around evaluation or checkpointing
         self.recording = True  # active, and neither paused nor between epochs (kept by `_update`)
@@ -100,11 +101,10 @@ class TorchHooks:
 
     # -- installation ---------------------------------------------------------------------------------
     def watch_model(self, model: Any) -> None:
-        """Time the forward of `model` (its instance `forward` is wrapped: registered module hooks would
-        push every call off nn.Module's fast path, ~8 us) and its backward (`watch_backward`). An FSDP2 root
-        is timed by module hooks around FSDP's own instead: its forward starts with FSDP's all-gather, before
-        `forward` is even called, and FSDP's hooks already took it off the fast path. A model compiled in
-        place (`model.compile()`) has its compiled call wrapped, outside what torch.compile traces."""
+        """Time the forward of `model` (its instance `forward` is wrapped: module hooks would push every call
+        off nn.Module's fast path, ~8 us) and its backward. An FSDP2 root is timed by module hooks around FSDP's
+        own (its forward starts with FSDP's all-gather, before `forward`; FSDP's hooks took it off the fast path
+        already). A model compiled in place has its compiled call wrapped, outside what torch.compile traces."""
         import torch
 
         self.is_ddp = isinstance(uncompiled(model), torch.nn.parallel.DistributedDataParallel)
@@ -142,8 +142,7 @@ class TorchHooks:
         self.backward.watch(model, grad_hooks=not units)
 
     def watch_optimizer(self, optimizer: Any, pre_hook: bool = True) -> None:
-        """`pre_hook=False` where the framework runs forward and backward inside `step(closure)` (Lightning):
-        the integration then marks the optimizer's start itself."""
+        """`pre_hook=False` where forward and backward run inside `step(closure)` (Lightning: marked there)."""
         inner = unwrap_optimizer(optimizer)
         if pre_hook:
             self._handles.append(inner.register_step_pre_hook(outside_compiled(self._optimizer_pre)))
@@ -154,6 +153,7 @@ class TorchHooks:
         if undo is not None:
             self._undo.append(undo)
             self.loader_watched = True
+            self.loader_batches = batches_per_epoch(loader)
 
     def remove(self) -> None:
         self.active = False

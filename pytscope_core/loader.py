@@ -32,6 +32,14 @@ def watch_loader(loader: Any, hooks: BatchHooks) -> Callable[[], None] | None:
     return undo
 
 
+def batches_per_epoch(loader: Any) -> int:
+    """`len(loader)`, or -1 where it has none (an iterable dataset) or cannot say."""
+    try:
+        return int(len(loader))
+    except Exception:
+        return -1
+
+
 class _WatchedIterator:
     __slots__ = ("_it", "_next_batch")
 

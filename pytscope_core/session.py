@@ -28,6 +28,7 @@ from .context import Segment
 from .coordinator import default_store, dist_alive
 from .findings import Finding
 from .rundir import run_warmup
+from .shards import uneven_shards_finding
 from .signals import SigtermChain
 
 # (imported now: it binds the clocks early)
@@ -55,12 +56,22 @@ class RunSession:
         self._epoch_offset = time.time() - time.perf_counter()  # host perf_counter -> seconds since epoch
         if self.rank == 0:
             self._open_run()
+        self._check_shards()
         self._watchdog: Any = None
         self.own_rows = OwnRows(scope, self.run_dir, self._epoch_offset)
         self._sigterm = SigtermChain(self._on_sigterm)
         self._sigterm.install()
         if scope.options.hang_timeout is not None:
             self._start_watchdog()
+
+    def _check_shards(self) -> None:
+        """DATA.UNEVEN_SHARDS from every rank's watched loader (collective: every rank runs the same loop, so
+        every rank watched a loader or none did). Under Lightning the callback checks its own."""
+        batches, coordinator = self.scope.hooks.loader_batches, self.scope.coordinator
+        every_rank = coordinator.all_gather_ints([batches]) if batches is not None else None
+        finding = uneven_shards_finding([r[0] for r in every_rank]) if every_rank is not None else None
+        if finding is not None and self.live is not None:
+            self.live.add(finding, self.scope.step_label())
 
     def _open_run(self) -> None:
         from . import analysis, render, summary  # noqa: F401  (imported now, not in the middle of a step)

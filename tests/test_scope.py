@@ -175,6 +175,27 @@ def test_gathers_come_every_interval_optimizer_steps_when_each_step_syncs_severa
     assert load_run(tmp_path).arrays.grad_syncs.sum() == 80
 
 
+def test_ranks_whose_watched_loaders_differ_in_length_are_named_at_the_start(tmp_path, monkeypatch):
+    # Rank 1's shard is one batch short (another rank's loader length is faked: one process here).
+    from pytscope_core.coordinator import Coordinator
+
+    gathered = []
+
+    def every_rank(self, values):
+        gathered.append(values)
+        return [values, [values[0] - 1]]
+
+    monkeypatch.setattr(Coordinator, "all_gather_ints", every_rank)
+    scope, model, loader = train(tmp_path, epochs=1)
+    scope.finish()
+    assert gathered == [[len(loader)]]  # once, at the start
+    (uneven,) = [f for f in scope.summary.findings if f.code == "DATA.UNEVEN_SHARDS"]
+    assert uneven.ranks == (1,) and uneven.severity.name == "HIGH"
+    assert "DATA.UNEVEN_SHARDS" in {
+        f["code"] for f in json.loads((tmp_path / "summary.json").read_text())["findings"]
+    }
+
+
 def test_a_resumed_launch_diagnoses_live_with_the_runs_warm_up(tmp_path):
     # The final report leaves out meta.json's warm-up (the first launch's) from every segment; the live
     # diagnosis took the resumed launch's own option, and judged other steps than the report.
