@@ -25,6 +25,7 @@ try:
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import Callback, RichProgressBar, TQDMProgressBar
     from lightning.pytorch.utilities import rank_zero_warn
+    from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("pytscope_lightning needs Lightning: pip install 'pytscope[lightning]'") from exc
 
@@ -71,6 +72,7 @@ class ScopeCallback(Callback):
         self._fits = 0
         self._precision: str | None = None  # the trainer's training precision, from setup()
         self._fetch_timed = False  # the wait for data is bracketed by the training loop's fetch hooks
+        self._fetch_in_step = False  # `training_step(self, dataloader_iter)` fetches its own batches
 
     # -- pickling (ddp_spawn) and checkpoints -------------------------------------------------------------
     def __getstate__(self) -> dict[str, Any]:
@@ -123,7 +125,11 @@ class ScopeCallback(Callback):
     def on_train_start(self, scope: Scope, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._watch(scope, trainer, pl_module)  # first: it picks the clock, which the run's metadata records
         scope.start()  # collective: every rank is here, after the strategy set up the process group
-        self._fetch_timed = _time_fetches(scope, trainer)
+        # With `dataloader_iter`, Lightning's fetch hooks run inside training_step: the step opens at the batch.
+        self._fetch_in_step = is_param_in_hook_signature(
+            pl_module.training_step, "dataloader_iter", explicit=True
+        )
+        self._fetch_timed = _time_fetches(scope, trainer, forward_after_fetch=self._fetch_in_step)
         _pause_where_hooks_come_late(scope, trainer)
         self._check_shards(scope, trainer)
 
@@ -156,6 +162,10 @@ class ScopeCallback(Callback):
         self, scope: Scope, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         scope.resume()  # ends a checkpoint or epoch-boundary pause; a no-op on the timeline otherwise
+        if self._fetch_in_step and self._fetch_timed:  # the loop top; the forward begins after the fetch
+            scope.hooks.data_begin()
+            scope.recorder.label_step(trainer.global_step)
+            return
         if not self._fetch_timed:
             scope.hooks.data_end(batch)
         scope.hooks.note_batch(batch)
@@ -256,10 +266,11 @@ def _batches_per_step(trainer: pl.Trainer, pl_module: pl.LightningModule) -> int
     return int(trainer.accumulate_grad_batches) if pl_module.automatic_optimization else 1
 
 
-def _time_fetches(scope: Scope, trainer: pl.Trainer) -> bool:
+def _time_fetches(scope: Scope, trainer: pl.Trainer, forward_after_fetch: bool = False) -> bool:
     """Mark the wait for each training batch around the fetch itself, with the hooks Lightning's training loop
     hands its data fetcher for profiling (this loop instance only; undone at train end). False on a Lightning
     without them: the callback then takes the time from `on_train_batch_end` to the next batch as the wait.
+    `forward_after_fetch`: the fetch is inside training_step (`dataloader_iter`), where the forward follows.
     """
     loop = trainer.fit_loop.epoch_loop
     before, after = getattr(loop, "_on_before_fetch", None), getattr(loop, "_on_after_fetch", None)
@@ -278,6 +289,8 @@ def _time_fetches(scope: Scope, trainer: pl.Trainer) -> bool:
         after()
         try:
             hooks.data_fetched()
+            if forward_after_fetch:
+                hooks.forward_begin()
         except Exception as exc:
             scope.fail(exc)
 

@@ -22,7 +22,7 @@ import pytest
 
 pytest.importorskip("lightning")
 
-from pytscope_core.records import COL  # noqa: E402
+from pytscope_core.records import COL, PHASES  # noqa: E402
 from pytscope_core.rundir import load_run, read_rows  # noqa: E402
 from pytscope_core.summary import summarize  # noqa: E402
 
@@ -421,6 +421,29 @@ def test_steps_follow_lightning_global_step(tmp_path: Path) -> None:
     _run(JOB, "--run-dir", run_dir, "--steps", 60, "--interval", 20, "--inf-from", 40, cwd=tmp_path)
     nonfinite = [f for f in _summary(run_dir)["findings"] if f["code"] == "CONVERGENCE.NONFINITE"]
     assert nonfinite and nonfinite[0]["steps"] == [40], nonfinite
+
+
+def test_a_training_step_that_fetches_its_own_batches_is_timed_step_by_step(tmp_path: Path) -> None:
+    # `training_step(self, dataloader_iter)`: Lightning's fetch hooks run inside the step, after the batch
+    # starts. Steps were labelled one ahead, the last one lost, and the forward charged to `other`.
+    run_dir = tmp_path / "run"
+    _run(
+        JOB,
+        "--run-dir",
+        run_dir,
+        "--steps",
+        40,
+        "--interval",
+        20,
+        "--work-ms",
+        5,
+        "--dataloader-iter",
+        cwd=tmp_path,
+    )
+    arrays = load_run(run_dir).arrays
+    assert list(arrays.steps) == list(range(40))
+    forward, other = (np.median(arrays.phases[5:, 0, PHASES.index(p)]) for p in ("forward", "other"))
+    assert forward >= 4.0 and other < 2.0, (forward, other)
 
 
 def test_manual_optimization_with_two_optimizers_numbers_steps_as_lightning(tmp_path: Path) -> None:

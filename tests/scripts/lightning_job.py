@@ -133,6 +133,14 @@ class Job(pl.LightningModule):
         return SlowStartLoader(self._data(4 * self.args.batch, seed=99), batch_size=self.args.batch)
 
 
+class FetchingJob(Job):
+    """`training_step(self, dataloader_iter)`: the step fetches its own batch."""
+
+    def training_step(self, dataloader_iter: Any) -> Any:  # type: ignore[override]
+        batch, batch_idx, _ = next(dataloader_iter)
+        return super().training_step(batch, batch_idx)
+
+
 class SlowStartLoader(DataLoader):
     """A loader whose iteration takes time to start, as one whose workers start: Lightning starts the
     validation loader before any validation hook."""
@@ -227,6 +235,7 @@ def main() -> None:
         "state_dict (read by checkpoints) take this long",
     )
     p.add_argument("--fast-dev-run", action="store_true")
+    p.add_argument("--dataloader-iter", action="store_true", help="training_step fetches its own batches")
     p.add_argument("--progress-bar", choices=["none", "rich", "tqdm"], default="none")
     p.add_argument("--flops-per-step", type=float, default=None)
     p.add_argument("--peak-flops", type=float, default=None)
@@ -289,7 +298,7 @@ def main() -> None:
 
     trainer = make_trainer(args.steps)
     result: dict[str, Any] = {}
-    module: Any = Job(args)
+    module: Any = FetchingJob(args) if args.dataloader_iter else Job(args)
     if args.compile:
         module = torch.compile(module, backend=args.compile, fullgraph=True)
     if args.validate_first:
