@@ -82,6 +82,9 @@ class LiveDiagnosis:
         # (step, ranks) of the first non-finite loss: kept once the window of recent steps has moved on
         self._first_nonfinite: tuple[int, tuple[int, ...]] | None = None
         self._urgent = False  # a diagnosis is due now, whatever its budget says (the first non-finite loss)
+        # The step from which a diagnosis has the steps timing findings need above LOW: due then, whatever its
+        # budget says, so that a finding capped at LOW in the first diagnosis is said at its severity.
+        self._full_at: int | None = None
         self._reported: dict[tuple[str, tuple[int, ...]], Severity] = {}
         self._diagnosed: dict[tuple[str, tuple[int, ...]], Finding] = {}  # the last diagnosis's findings said
         self._cost_s = 0.0
@@ -130,7 +133,8 @@ class LiveDiagnosis:
         loss is said at once."""
         self._read_earlier()  # (once per launch: not a diagnosis's cost, which paces the next)
         now = self._clock()
-        if self._cost_s > LIVE_BUDGET * (now - self._at) and not self._urgent:
+        full = self._full_at is not None and step >= self._full_at
+        if self._cost_s > LIVE_BUDGET * (now - self._at) and not (self._urgent or full):
             return
         self._at = now
         self._urgent = False
@@ -185,6 +189,7 @@ class LiveDiagnosis:
     def diagnose(self, step: int) -> None:
         """Diagnose the recent steps once; publish findings that are new or got worse, and the metrics."""
         from .analysis import analyze, run_rules
+        from .analysis.timing import MIN_STATISTIC_STEPS
 
         self._read_earlier()
         with self._lock:
@@ -197,7 +202,9 @@ class LiveDiagnosis:
             return
         analysis = analyze(arrays, self.context(int(arrays.steps[0])), history)
         findings = run_rules(analysis)
+        missing = MIN_STATISTIC_STEPS - analysis.timing.steps_counted
         with self._lock:
+            self._full_at = step + missing if missing > 0 else None
             self.diagnoses += 1
             self.findings = findings + self.extra_findings
             # A HIGH or MED finding the diagnosis no longer makes is said to be gone (a stale alarm must not

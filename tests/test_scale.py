@@ -236,6 +236,22 @@ def test_ingest_thread_writes_every_gather_and_drains_at_close(tmp_path):
     assert len(ingest.handoff_ms) == 6 and len(ingest.ingest_ms) + ingest.skipped == 6
 
 
+def test_the_first_diagnosis_with_enough_steps_for_timing_findings_runs_whatever_its_budget(tmp_path):
+    # Each diagnosis looks costly (every clock reading is a second on), so the budget allows one at the start.
+    # Its 10 steps cap timing findings at LOW: the one that has 50 must still come, or a straggler said as
+    # LOW live is HIGH only in the end-of-run summary.
+    ticks = iter(range(10**6))
+    reporter = RunReporter(tmp_path, {"world_size": 2, "interval": 10, "warmup": 0}, console=False)
+    live = LiveDiagnosis(reporter, Segment(0, time.time(), 0, 2), 0, [], clock=lambda: float(next(ticks)))
+    seen = []
+    for n in range(8):
+        g = gathered(n)
+        live.record(g.headers, g.rows, g.gather, g.step)
+        live.diagnose_if_due(g.step)
+        seen.append(live.diagnoses)
+    assert seen == [1, 1, 1, 1, 2, 2, 2, 2]  # at step 10, then at step 50
+
+
 def test_a_full_queue_skips_diagnoses_never_rows_and_errors_reach_the_training_thread(tmp_path):
     live = live_of(tmp_path)
     release = threading.Event()
