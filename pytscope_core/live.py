@@ -36,6 +36,7 @@ from .rundir import iter_rows, run_columns, run_world, sound_rows
 if TYPE_CHECKING:
     from .analysis import RunAnalysis
     from .analysis.convergence import LossHistory
+    from .summary import Summary
 
 LIVE_STEPS = 1000  # steps kept in memory on rank 0 for live diagnosis: bounds its cost on long runs
 LIVE_CELLS = 800_000
@@ -414,9 +415,10 @@ def _rank_after_rank(window: list[np.ndarray], world: int) -> np.ndarray:
     return np.concatenate(window)
 
 
-def metrics(analysis: RunAnalysis, findings: list[Finding]) -> dict[str, float]:
-    """The scalars logged at each live diagnosis (Lightning's loggers, `accelerator.log`): the summary's
-    numbers, read from the analysis itself (building the summary's per-rank tree costs 0.4 s at 16k ranks)."""
+def metrics(analysis: RunAnalysis | Summary, findings: list[Finding]) -> dict[str, float]:
+    """The scalars logged at each live diagnosis and at the end (Lightning's loggers, `accelerator.log`): the
+    summary's numbers, read live from the analysis itself (building the summary's per-rank tree costs 0.4 s
+    at 16k ranks)."""
     shares = {p.name: p.share for p in analysis.timing.phases}
     out = {
         "pytscope/step_ms": analysis.timing.median_ms,

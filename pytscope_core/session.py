@@ -300,10 +300,18 @@ class RunSession:
             group_create_ms=gatherer.create_ms if gatherer is not None else None,
             bytes_received=_quantiles([float(r) for _, r in self.traffic]),  # rank 0's, per gather
         )
-        return self.reporter.summary()
+        summary = self.reporter.summary()
+        sink = self.scope.metrics_sink
+        if sink is not None:  # the end-of-run numbers too; a logger failing at the end must not cost them
+            from .live import metrics
+
+            with contextlib.suppress(Exception):
+                sink(metrics(summary, list(summary.findings)), self.scope.step_label())
+        return summary
 
     def _close_ingest(self) -> None:
-        """Every gather handed over is written (and its diagnosis published) before the summary reads the run."""
+        """Every gather handed over is written before the summary reads the run (whose metrics replace the last
+        diagnosis's)."""
         if not self.ingest.close():
             self.scope.note(
                 "the live diagnosis did not finish in time; the summary may miss a gather", error=True
@@ -312,8 +320,6 @@ class RunSession:
             self.ingest.raise_error()
         except RuntimeError as exc:
             self.scope.note(str(exc), error=True)
-        with contextlib.suppress(Exception):  # a logger failing at the end must not cost the summary
-            self.live.publish_metrics(self.scope.step_label())
 
     def release(self) -> None:
         self.stop_watching()

@@ -278,6 +278,9 @@ def test_live_metrics_reach_accelerate_trackers(tmp_path: Path, monkeypatch: pyt
         "pytscope/step_ms" in values and values["pytscope/step_ms"] > 0 for values, _ in tracker.logged
     )
     assert summary.run.steps == 30
+    assert (
+        steps[-1] == 30 and tracker.logged[-1][0]["pytscope/step_ms"] == summary.timing.median_ms
+    )  # the end's
     # MFU through the adapter: in every live metrics record and in the summary.
     assert all(values["pytscope/mfu"] > 0 for values, _ in tracker.logged)
     assert summary.efficiency.mfu == pytest.approx(3e5 / (summary.timing.mean_ms / 1e3) / 1e9)
