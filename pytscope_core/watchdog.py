@@ -55,6 +55,7 @@ compiling or loading never does, nor every rank inside one collective (a compile
 unit's collective marks)."""
 PAUSE_FACTOR = 4.0  # a rank paused (validation, checkpoint) gets this many timeouts before it counts as stuck
 DUMP_WAIT_S = 5.0  # how long the aborting ranks wait for the others' stack dumps
+END_WAIT_S = DUMP_WAIT_S + 5.0  # ...and the other ranks for rank 0's word that it ends
 
 WAITING_PHASES = ("comm", "gather", "collective")  # blocked in a collective, waiting for peers
 TRAINING_COLLECTIVES = ("comm", "collective")  # the warm-up rule's: pytscope's own gather has its own timeout
@@ -519,17 +520,25 @@ class Watchdog(threading.Thread):
             )
         if not abort:
             return
+        # Rank 0 ends first, once every rank's stacks are dumped, then the others: a rank that ended while rank
+        # 0 waited in a collective for it made rank 0's training thread raise first (a traceback, a lost
+        # connection), and a launcher then ended rank 0 with SIGTERM, not the hang's exit code.
         if self.rank == 0 and self.store is not None:
             self._attempt("wait for the other ranks' stacks", self._wait_for_dumps)
+            self._attempt("tell the other ranks to end", self.store.set, f"{self.prefix}/ended", "1")
+        elif self.store is not None:
+            self._attempt("wait for rank 0 to end", self._wait_for, [f"{self.prefix}/ended"], END_WAIT_S)
         say_last(self.rank, abort_line(self.rank, local_place()[1]))
         sys.stdout.flush()
         os._exit(HANG_EXIT_CODE)
 
     def _wait_for_dumps(self) -> None:
-        deadline = _monotonic() + DUMP_WAIT_S
-        keys = [f"{self.prefix}/dumped/{r}" for r in range(self.world_size)]
+        self._wait_for([f"{self.prefix}/dumped/{r}" for r in range(self.world_size)], DUMP_WAIT_S)
+
+    def _wait_for(self, keys: list[str], wait_s: float) -> None:
+        deadline = _monotonic() + wait_s
         while _monotonic() < deadline and not self.store.check(keys):
-            time.sleep(0.1)
+            time.sleep(0.05)
 
 
 def abort_line(rank: int, local_rank: int) -> str | None:
