@@ -348,10 +348,11 @@ PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pi
 
 def disabled_message(exc: BaseException) -> str:
     """Why the scope disabled itself: its internal error, or another rank gone (its process ended, e.g. by an
-    exception of its own, while this one waited in the scope's gather): not the scope's fault, said so."""
+    exception of its own, while this one waited for it in a collective of the scope's, or in a hook): not the
+    scope's fault, said so."""
     text = f"{type(exc).__name__}: {exc}"
     if any(s in str(exc) for s in PEER_GONE):
-        return f"another rank left the job during pytscope's gather, {SCOPE_DISABLED}, training continues: {text}"
+        return f"another rank left the job while this one waited for it, {SCOPE_DISABLED}, training continues: {text}"
     return f"internal error, {SCOPE_DISABLED}, training continues: {text}"
 
 

@@ -882,7 +882,9 @@ def test_a_peer_gone_during_the_scopes_gather_is_not_called_its_internal_error()
     gone = disabled_message(
         RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer [::1]:1")
     )
-    assert gone.startswith("another rank left the job during pytscope's gather") and "scope disabled" in gone
+    assert (
+        gone.startswith("another rank left the job while this one waited for it") and "scope disabled" in gone
+    )
     assert disabled_message(ValueError("x")).startswith("internal error, scope disabled")
 
 
