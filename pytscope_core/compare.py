@@ -98,6 +98,11 @@ class Comparison:
     ms_per_sample_b: float = math.nan
     # By `Finding.key`: A's severity of each finding in `unchanged` (B's may differ).
     severity_in_a: dict[tuple[str, tuple[int, ...]], str] = field(default_factory=dict)
+    # comm split into transfer and sync wait (the straggler's bill), as shares of wall; NaN where not measured
+    transfer_share_a: float = math.nan
+    transfer_share_b: float = math.nan
+    sync_wait_share_a: float = math.nan
+    sync_wait_share_b: float = math.nan
 
     @property
     def median_change_pct(self) -> float:
@@ -160,6 +165,13 @@ class Comparison:
                     "change_pct": self.per_sample_change_pct,
                 },
                 "slowdown": {"measure": self.slowdown[0], "change_pct": self.slowdown[1]},
+                "comm_split": {
+                    name: {"a": a, "b": b, "change_points": 100.0 * (b - a)}
+                    for name, a, b in (
+                        ("transfer_share", self.transfer_share_a, self.transfer_share_b),
+                        ("sync_wait_share", self.sync_wait_share_a, self.sync_wait_share_b),
+                    )
+                },
                 "phases": {
                     p.name: {
                         "share_a": p.share_a,
@@ -269,6 +281,10 @@ def compare_summaries(
         severity_in_a={f.key: f.severity.name for f in a.findings if f.key in keys_b},
         comm_note_a=a.run.comm_note,
         comm_note_b=b.run.comm_note,
+        transfer_share_a=a.distributed.transfer_share if a.run.comm_measured else math.nan,
+        transfer_share_b=b.distributed.transfer_share if b.run.comm_measured else math.nan,
+        sync_wait_share_a=a.distributed.sync_wait_share if a.run.comm_measured else math.nan,
+        sync_wait_share_b=b.distributed.sync_wait_share if b.run.comm_measured else math.nan,
         launches_a=_launches(a),
         launches_b=_launches(b),
         mean_ms_a=a.timing.mean_ms,
@@ -366,6 +382,20 @@ def render_comparison(c: Comparison) -> RenderableType:
             _fmt(p.median_ms_a),
             _fmt(p.median_ms_b),
         )
+        if p.name == "comm":  # sync wait is a straggler's bill, never communication cost: said apart
+            for name, a, b in (
+                ("  transfer", c.transfer_share_a, c.transfer_share_b),
+                ("  sync wait", c.sync_wait_share_a, c.sync_wait_share_b),
+            ):
+                if math.isfinite(a) or math.isfinite(b):
+                    phases.add_row(
+                        name,
+                        _fmt(100 * a, ".1f", "%"),
+                        _fmt(100 * b, ".1f", "%"),
+                        _signed(100 * (b - a), " pts"),
+                        "",
+                        "",
+                    )
     parts += [Text("\nPhases", style="bold underline"), phases]
     if len(blind) == 1:
         parts.append(

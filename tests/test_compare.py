@@ -45,6 +45,9 @@ def test_known_slowdown(pair):
     rank3 = c.ranks[3]
     assert rank3.local_ms_a == pytest.approx(9.5) and rank3.local_ms_b == pytest.approx(11.5)
     assert rank3.straggler_b and not rank3.straggler_a
+    # Of B's comm, the 2 ms the others wait for rank 3 is sync wait, not transfer: said apart.
+    assert c.transfer_share_b == pytest.approx(0.5 / 12) and c.sync_wait_share_b == pytest.approx(3 * 2 / 48)
+    assert c.sync_wait_share_a == pytest.approx(0.0)
     assert c.ranks[0].change_pct == pytest.approx(0.0)
     assert c.regressed(10.0) and not c.regressed(25.0)
 
@@ -114,6 +117,7 @@ def test_render_shows_change_and_findings(pair):
     console.print(render_comparison(compare_runs(load_run(pair[0]), load_run(pair[1]))))
     text = console.file.getvalue()
     assert "+20.0%" in text and "straggler now" in text
+    assert "  transfer" in text and "  sync wait" in text  # comm's parts, the straggler's bill apart
     assert "appeared:" in text and "disappeared:" in text and "DIST.STRAGGLER rank 3" in text
 
 
