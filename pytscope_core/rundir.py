@@ -212,6 +212,7 @@ def read_rank_files(
                     continue
                 reasons[rank] = reason
             except (ValueError, KeyError, TypeError, OverflowError, RecursionError):
+                problems.append(f"an unreadable line of ranks/{n} skipped")
                 continue
     failures.sort(key=lambda f: (f.t is None, f.t or 0.0, _follows_a_peer(f.reason), f.rank))
     return rows, reasons, failures
@@ -325,6 +326,8 @@ def _load_run(root: Path, warmup: int | None) -> Run:
             meta = loaded
         except (ValueError, UnicodeDecodeError, RecursionError, OSError):
             problems.append("meta.json is unreadable; defaults assumed")
+    elif (root / "steps.f64").exists():
+        problems.append("meta.json is missing; defaults assumed")
     if meta and meta.get("format") != FORMAT:
         kind = meta.get("format")
         if isinstance(kind, str) and kind.startswith("pytscope-run/"):
@@ -367,6 +370,9 @@ def _load_run(root: Path, warmup: int | None) -> Run:
     torn = _torn(root / "steps.f64", len(columns or COLUMNS))
     if torn:
         problems.append("a torn last row of step records dropped (the process was killed while writing it)")
+    for f in sorted((root / "ranks").glob("rank*.f64")) if (root / "ranks").is_dir() else []:
+        if _torn(f, len(columns or COLUMNS)):
+            problems.append(f"a torn last row of ranks/{f.name} dropped (killed while writing it)")
     w = int(meta.get("warmup", 5)) if warmup is None else warmup
     arrays = RunArrays.from_rows(rows, warmup=w)
     context = _context(meta, events, arrays, w, problems)
