@@ -26,6 +26,11 @@ counts as a misnamed detection. Healthy runs (no slowdown, 50 seeds per size) ar
 tau 5, 15, 40) or flat at 2.0, Gaussian noise sd 5%; how often a spike is called before step 50 in the clean
 curve, and how often one x2.5 step placed in steps 20-49 is found.
 
+**Later loss spikes**: 1,000 curves per shape and noise of 300 counted steps, flat at 2.0 or still falling
+(0.3 + 4.7 exp(-t/25), as a small model's first epoch; 5 / sqrt(t + 1)), with Gaussian noise of sd 5% or 20%, or
+right-skewed noise (gamma, sd 30%, as a converged cross-entropy's batches); how often a spike is called from
+step 50 on in the clean curve, and how often one x2.5 or x5 step placed in steps 50-299 is found there.
+
 **Plateaus**: 1,000 curves per noise level (sd 1%, 5%, 10%, 20%) of 600 counted steps that fall (0.5 + 3.0
 exp(-t/25)) until step 150 and stay flat after; how often "stopped improving" is said, and how far from step
 150 it places the start. And 1,000 curves per noise level and shape that still fall to the end over 1,000
@@ -223,6 +228,37 @@ def early_spikes(curves: int, tau: float | None) -> tuple[int, int]:
     return false, found
 
 
+LATER_T = np.arange(300)
+LATER_SHAPES = {
+    "flat": np.full(LATER_T.size, 2.0),
+    "exp(-t/25)": 0.3 + 4.7 * np.exp(-LATER_T / 25),
+    "1/sqrt(t)": 5.0 / np.sqrt(LATER_T + 1),
+}
+
+
+def later_spikes(curves: int, shape: str, noise: str) -> tuple[int, int, int]:
+    """Later training: 300 counted steps of one of LATER_SHAPES times noise "5%" or "20%" (Gaussian) or
+    "skewed" (gamma, sd 30%, mean 1). Returns (curves with a spike found from SPIKE_WINDOW on: false alarms,
+    curves whose loss x2.5 at a random step in [SPIKE_WINDOW, 300) was found there, the same for x5)."""
+    from pytscope_core.analysis.convergence import SPIKE_WINDOW, find_spikes
+
+    rng = np.random.default_rng([78, len(shape), len(noise)])
+    t, level = LATER_T, LATER_SHAPES[shape]
+    false, found = 0, {2.5: 0, 5.0: 0}
+    for _ in range(curves):
+        if noise == "skewed":
+            loss = level * rng.gamma(1 / 0.3**2, 0.3**2, t.size)
+        else:
+            loss = level * (1 + float(noise.rstrip("%")) / 100 * rng.standard_normal(t.size))
+        false += any(s.step >= SPIKE_WINDOW for s in find_spikes(loss, t))
+        at = int(rng.integers(SPIKE_WINDOW, t.size))
+        for factor in found:
+            spiked = loss.copy()
+            spiked[at] *= factor
+            found[factor] += any(s.step == t[at] for s in find_spikes(spiked, t))
+    return false, found[2.5], found[5.0]
+
+
 def plateaus(curves: int, noise: float) -> tuple[int, float, int]:
     """(fell-then-flat curves with a plateau found, median |found start - 150| in steps, still-falling curves
     (four shapes, `curves` each) with a plateau said)."""
@@ -375,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--loss-only",
         action="store_true",
-        help="only the loss checks (worsening, early spikes, plateaus, rises)",
+        help="only the loss checks (worsening, early and later spikes, plateaus, rises)",
     )
     args = parser.parse_args(argv)
     q = args.quick
@@ -414,6 +450,16 @@ def main(argv: list[str] | None = None) -> int:
             f"  {shape:>11}: spike found {100 * found / curves:5.1f}%; a spike called where there is none "
             f"(steps < 50) {100 * false_early / curves:.1f}%"
         )
+    print(
+        f"later loss spikes: {curves} curves of 300 steps per shape and noise, one x2.5 or x5 spike in steps 50-299"
+    )
+    for shape in LATER_SHAPES:
+        for noise in ("5%", "20%", "skewed"):
+            false_later, low, high = later_spikes(curves, shape, noise)
+            print(
+                f"  {shape:>10}, {noise:>6} noise: x2.5 found {100 * low / curves:5.1f}%, x5 {100 * high / curves:5.1f}%; "
+                f"a spike called where there is none (steps >= 50) {100 * false_later / curves:.1f}%"
+            )
     for noise in (0.01, 0.05, 0.10, 0.20):
         found, error, false_plateau = plateaus(curves, noise)
         print(

@@ -993,3 +993,27 @@ def test_time_a_job_spent_hung_counts_against_goodput():
     assert g.elapsed_s == pytest.approx(6.0, abs=1e-6) and g.goodput == pytest.approx(0.5 / 6.0, rel=1e-3)
     g = summarize(RunArrays.from_rows(rows, warmup=0), dataclasses.replace(ctx, alive=())).efficiency.goodput
     assert g.elapsed_s == pytest.approx(0.5, abs=1e-6)  # without the report: the steps alone
+
+
+def test_a_spike_while_the_loss_still_falls_fast_is_found_and_the_fall_alone_is_not_one():
+    # An audit's 2-rank run logged 6.51 and 4.98 at step 80 against about 0.7 at steps 79 and 81 and read
+    # "spikes: none": the trailing 50 steps' median (1.71) lagged the fall, and the fall's spread (0.88)
+    # passed for noise. The same held for x5 at step 130 and x10 at step 100 of a replay.
+    rng = np.random.default_rng(7)
+    t = np.arange(1, 151)
+    for level in (0.3 + 4.7 * np.exp(-t / 25), 5.0 / np.sqrt(t)):
+        loss = level * (1 + 0.05 * rng.standard_normal(t.size))
+        assert find_spikes(loss, t) == ()
+        for at, factor in ((80, 8.0), (100, 5.0), (130, 6.0)):
+            spiked = loss.copy()
+            spiked[at - 1] *= factor
+            (spike,) = find_spikes(spiked, t)
+            assert spike.step == at and spike.loss / spike.baseline > 0.8 * factor, (at, spike)
+    # Both ranks' losses spike at step 80 (no rank named); then rank 1's alone at step 100 (it is named).
+    per_rank = np.repeat(loss[:, None], 2, axis=1) * (1 + 0.02 * rng.standard_normal((t.size, 2)))
+    per_rank[79] *= (9.2, 7.0)
+    per_rank[99, 1] *= 10.0
+    a = analyze(make_run(150, 2, loss=per_rank), RunContext(world_size=2))
+    assert [(s.step, s.ranks) for s in a.convergence.spikes] == [(80, ()), (100, (1,))]
+    (found,) = [f for f in run_rules(a) if f.code == "CONVERGENCE.SPIKE"]
+    assert found.severity == Severity.MED  # (x8, far out of the noise: not a converged loss's batch swing)

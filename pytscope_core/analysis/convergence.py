@@ -70,14 +70,21 @@ lowest."""
 
 SPIKE_WINDOW = 50
 """Trailing steps that define the local loss level for spike detection."""
+SPIKE_TREND_T = 3.0
+"""Where the medians of the window's two halves differ by this many standard errors, the level is their line
+at the step, placed by the window's last SPIKE_EARLY_LEVEL steps, and the noise is the spread around that line
+(`stats.trend_level_sigma`): a loss still falling fast sat far below its trailing median, within a spread its
+own fall inflated, so a x8 spike at step 80 of a 150-step run went unseen (6.5 against about 0.7 at steps 79
+and 81; median 1.71, spread 0.88). A window whose trend is within its noise keeps its median: a flat loss is
+judged as before."""
 SPIKE_MIN_HISTORY = 20
 """Steps before the first one that can be a spike. Until SPIKE_WINDOW steps exist, the level is the median of
 the last SPIKE_EARLY_LEVEL steps and the noise comes from the successive differences of all earlier ones
 (`stats.early_level_noise`), so the fast fall of early training is neither a level that lags nor noise."""
 SPIKE_EARLY_LEVEL = 10
 SPIKE_MADS = 6.0
-"""A spike sits more than 6 robust sigmas above the local median (the larger of the MAD's and the upper
-spread's, `stats.trailing_upper_sigma`)..."""
+"""A spike sits more than 6 robust sigmas above the local level (the larger of the MAD's and the upper
+spread's, around the window's trend)..."""
 SPIKE_MIN_RELATIVE = 0.25
 """...and at least 25% above it, so tiny steady noise cannot produce spikes."""
 
@@ -96,28 +103,27 @@ class LossTrend:
 class Spike:
     step: int
     loss: float
-    baseline: float  # trailing median before the spike
+    baseline: float  # the local level it rose from (the trailing window's, at its trend)
     ranks: tuple[int, ...] = ()  # the ranks whose own loss spiked, when not all of them (`spiking_ranks`)
     sigmas: float = math.inf  # the jump at its onset in robust sigmas of the loss's noise there
 
 
 def spiking_ranks(arrays: RunArrays, spike: Spike) -> tuple[int, ...]:
     """The ranks whose own loss at the spike's step is a spike against their own last SPIKE_WINDOW losses
-    (the same floors as the mean's); () when every rank's is (or the loss is one value on every rank)."""
+    (the same level, noise and floors as the mean's); () when every rank's is (or the loss is one value on
+    every rank)."""
     loss = np.asarray(arrays.loss)
     rows = np.flatnonzero(arrays.steps == spike.step)
     if rows.size == 0 or loss.strides[1] == 0:
         return ()
     i = int(rows[-1])
-    before = np.where(
-        np.isfinite(loss[max(0, i - SPIKE_WINDOW) : i]), loss[max(0, i - SPIKE_WINDOW) : i], np.nan
-    )
-    with np.errstate(invalid="ignore"), warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # (a rank with no finite loss before: not judged)
-        med = np.nanmedian(before, axis=0)
-        sigma = stats.MAD_TO_SIGMA * np.nanmedian(np.abs(before - med), axis=0)
-        jump = loss[i] - med
-        high = (jump > SPIKE_MADS * sigma) & (jump > SPIKE_MIN_RELATIVE * np.abs(med))
+    before = loss[max(0, i - SPIKE_WINDOW) : i]
+    before = np.where(np.isfinite(before), before, np.nan)
+    # (A rank with no finite loss before: not judged.)
+    level, sigma = stats.trend_level_sigma(before.T, SPIKE_TREND_T, SPIKE_EARLY_LEVEL)
+    with np.errstate(invalid="ignore"):
+        jump = loss[i] - level
+        high = (jump > SPIKE_MADS * sigma) & (jump > SPIKE_MIN_RELATIVE * np.abs(level))
     if high.all() or not high.any():
         return ()
     return tuple(int(arrays.ranks[j]) for j in np.flatnonzero(high))
@@ -277,13 +283,11 @@ def rise_start(loss: np.ndarray, steps: np.ndarray | None = None) -> Rise | None
 
 
 def find_spikes(loss: np.ndarray, steps: np.ndarray) -> tuple[Spike, ...]:
-    """Upward jumps far above the trailing median; a run of consecutive spike steps counts once: at its
-    first step, with its peak loss."""
+    """Upward jumps far above the local level (the trailing window's, at its trend); a run of consecutive
+    spike steps counts once: at its first step, with its peak loss."""
     ok = np.isfinite(loss)
     x, st = loss[ok], steps[ok]
-    med, mad = stats.trailing_median_mad(x, SPIKE_WINDOW)
-    with np.errstate(invalid="ignore"):  # (the upper spread: noise skewed upwards is not a spike)
-        sigma = np.fmax(stats.MAD_TO_SIGMA * mad, stats.trailing_upper_sigma(x, SPIKE_WINDOW, med))
+    med, sigma = stats.trailing_level_sigma(x, SPIKE_WINDOW, SPIKE_TREND_T, SPIKE_EARLY_LEVEL)
     early = slice(SPIKE_MIN_HISTORY, min(x.size, SPIKE_WINDOW))
     med[early], noise = stats.early_level_noise(x, SPIKE_MIN_HISTORY, SPIKE_WINDOW, SPIKE_EARLY_LEVEL)
     sigma[early] = stats.MAD_TO_SIGMA * noise

@@ -746,7 +746,8 @@ to x3.8 its median at 7 sigmas in a healthy run; a real blow-up goes much furthe
 
 @rule("CONVERGENCE.SPIKE")
 def spike(a: RunAnalysis) -> list[Finding]:
-    """Floors live in convergence.py: >= 6 robust sigmas and >= 25% above the trailing median."""
+    """Floors live in convergence.py: >= 6 robust sigmas and >= 25% above the local level (the trailing
+    window's, at its trend)."""
     spikes = a.convergence.spikes
     if not spikes:
         return []
@@ -761,7 +762,7 @@ def spike(a: RunAnalysis) -> list[Finding]:
             severity=sev,
             title=f"{len(spikes)} loss spike(s)",
             detail=(
-                f"Loss jumped well above its trailing median at step(s) {listed}; the largest went "
+                f"Loss jumped well above its local level at step(s) {listed}; the largest went "
                 f"from {worst.baseline:.4g} to {worst.loss:.4g} (x{ratio:.2f}, the mean over ranks) at step "
                 f"{worst.step}" + (f", on rank(s) {format_ranks(worst.ranks)} only." if worst.ranks else ".")
             ),

@@ -122,33 +122,77 @@ def trimmed_von_neumann_sd(x: np.ndarray, outlier: float = 5.0, max_trimmed: int
     return float(math.sqrt(np.sum(kept**2) / (2.0 * kept.size)))
 
 
-def trailing_median_mad(x: np.ndarray, window: int) -> tuple[np.ndarray, np.ndarray]:
-    """Median and MAD of the `window` values before each point (NaN for the first `window` points)."""
-    n = x.size
-    med = np.full(n, np.nan)
-    mad = np.full(n, np.nan)
-    if n <= window:
-        return med, mad
-    views = np.lib.stride_tricks.sliding_window_view(x[:-1], window)  # views[i] = x[i : i + window]
-    m = np.median(views, axis=1)
-    med[window:] = m
-    mad[window:] = np.median(np.abs(views - m[:, None]), axis=1)
-    return med, mad
-
-
 UPPER_DECILE_SIGMAS = 1.2816
 """A normal distribution's 90th percentile sits this many sigmas above its median."""
 
+MEDIAN_SE = math.sqrt(math.pi / 2.0)
+"""The standard error of the median of n normal values is this times sigma / sqrt(n)."""
 
-def trailing_upper_sigma(x: np.ndarray, window: int, med: np.ndarray) -> np.ndarray:
-    """The spread of the `window` values before each point above their median `med`, as a sigma: (90th
-    percentile - median) / 1.2816. The MAD's sigma for symmetric noise; larger for right-skewed noise (a
-    converged cross-entropy's batches), whose common high values a symmetric scale would call outliers."""
-    out = np.full(x.size, np.nan)
+
+def row_quantile(rows: np.ndarray, q: float) -> np.ndarray:
+    """The `q` quantile (numpy's linear interpolation) of each row of `rows` (..., n), n >= 2, without NaN: a
+    partition at one order statistic and a min for the next, several times faster than `np.quantile` or a
+    partition at both over the sliding windows of a long run."""
+    position = q * (rows.shape[-1] - 1)
+    k = min(int(position), rows.shape[-1] - 2)
+    part = np.partition(rows, k, axis=-1)
+    low, high = part[..., k], part[..., k + 1 :].min(axis=-1)
+    return np.asarray(low + (position - k) * (high - low), dtype=np.float64)
+
+
+def _nan_row_quantile(rows: np.ndarray, q: float) -> np.ndarray:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # (a row with no value: NaN)
+        return np.asarray(np.nanquantile(rows, q, axis=-1), dtype=np.float64)
+
+
+def trend_level_sigma(rows: np.ndarray, min_t: float, recent: int) -> tuple[np.ndarray, np.ndarray]:
+    """For each row of `rows` (..., window): where its trend puts the point after it, and a robust sigma of
+    its values around that trend; NaN in a row is left out.
+
+    The trend is the line through the medians of the row's two halves where they differ by `min_t` standard
+    errors or more (the noise from the median size of the row's successive differences, which a trend does
+    not inflate), else flat: a loss still falling (or rising) over the row is judged against where it is now,
+    not against the row's median, which lags, and its fall is not noise. A falling row's level is that line at
+    the next point, moved by the median residual of the last `recent` values: a fall that slows (training's,
+    exponential or a power law) lies above the line there, and extending the line alone put the level of a
+    loss falling 5x in the row at half what it was. A flat row's level is its median: detrending noise would
+    only add the slope's error to it. The sigma is the larger of the residuals' MAD's and their spread from the
+    median to the 90th percentile, (90th percentile - median) / 1.2816: the MAD's sigma for symmetric noise,
+    larger for right-skewed noise (a converged cross-entropy's batches), whose common high values a symmetric
+    scale would call outliers."""
+    window = rows.shape[-1]
+    quantile = _nan_row_quantile if has_gaps(rows) else row_quantile
+    half = window // 2
+    with np.errstate(invalid="ignore"):
+        first, last = quantile(rows[..., :half], 0.5), quantile(rows[..., window - half :], 0.5)
+        noise = MAD_TO_SIGMA * quantile(np.abs(np.diff(rows, axis=-1)), 0.5) / math.sqrt(2.0)
+        rise = last - first
+        trending = np.abs(rise) >= min_t * MEDIAN_SE * noise * math.sqrt(2.0 / half)
+        slope = np.where(
+            trending, rise / (window - half), 0.0
+        )  # (window - half: between the halves' centres)
+        centre = window - half + (half - 1) / 2.0  # the last half's
+        residual = rows - (last[..., None] + slope[..., None] * (np.arange(window) - centre))
+        mid = quantile(residual, 0.5)
+        mad = quantile(np.abs(residual - mid[..., None]), 0.5)
+        upper = (quantile(residual, 0.9) - mid) / UPPER_DECILE_SIGMAS
+        now = np.where(trending, quantile(residual[..., -recent:], 0.5), mid)
+        level = last + slope * (window - centre) + now
+        return np.asarray(level, dtype=np.float64), np.fmax(MAD_TO_SIGMA * mad, upper)
+
+
+def trailing_level_sigma(
+    x: np.ndarray, window: int, min_t: float, recent: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """`trend_level_sigma` of the `window` values before each point of a 1-D array, at that point (NaN for
+    the first `window` points)."""
+    level = np.full(x.size, np.nan)
+    sigma = np.full(x.size, np.nan)
     if x.size > window:
-        views = np.lib.stride_tricks.sliding_window_view(x[:-1], window)
-        out[window:] = (np.quantile(views, 0.9, axis=1) - med[window:]) / UPPER_DECILE_SIGMAS
-    return out
+        views = np.lib.stride_tricks.sliding_window_view(x[:-1], window)  # views[i] = x[i : i + window]
+        level[window:], sigma[window:] = trend_level_sigma(views, min_t, recent)
+    return level, sigma
 
 
 def early_level_noise(x: np.ndarray, start: int, stop: int, recent: int) -> tuple[np.ndarray, np.ndarray]:
