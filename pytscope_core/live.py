@@ -46,7 +46,8 @@ the window always holds the latest gather whole."""
 LIVE_BUDGET = 0.005  # live diagnosis may take at most this share of wall time; other gathers only store rows
 
 MetricsSink = Callable[[dict[str, float], int], None]
-LossSums = tuple[np.ndarray, np.ndarray, np.ndarray]  # (steps, sums of their finite losses, how many)
+LossSums = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+"""(steps, the sums of their finite losses, how many, how many non-finite ones)"""
 
 
 class LiveDiagnosis:
@@ -75,9 +76,9 @@ class LiveDiagnosis:
         self._recent: collections.deque[np.ndarray] = collections.deque()
         self._world = 1
         self._recent_steps = 0
-        # Every step's loss since the launch, as (steps, sums, counts) of each gather's finite losses, and
-        # the run's earlier segments' (read once, at the first diagnosis): the loss's course is judged over all
-        # of it (`_loss_history`).
+        # Every step's loss since the launch, as (steps, sums, counts) of each gather's finite losses (and the
+        # count of its non-finite ones), and the run's earlier segments' (read once, at the first diagnosis):
+        # the loss's course is judged over all of it (`_loss_history`).
         self._losses: list[LossSums] = []
         self._earlier: LossHistory | None = None
         # (step, ranks) of the first non-finite loss: kept once the window of recent steps has moved on
@@ -273,20 +274,21 @@ class LiveDiagnosis:
 
         if len(self._losses) > 1:  # (merged into one: each diagnosis sorts only what came since)
             self._losses = [merge_loss_sums(self._losses)]
-        steps, sums, counts = self._losses[0] if self._losses else (np.empty(0),) * 3
+        steps, sums, counts, bad = self._losses[0] if self._losses else (np.empty(0),) * 4
         with np.errstate(all="ignore"):
             loss = np.where(counts > 0, sums / np.maximum(counts, 1), np.nan)
         counted = np.arange(steps.size) >= self.warmup
+        nonfinite = bad > 0
         earlier = self._earlier or _empty_history()
         if earlier.steps.size:
             before = earlier.steps < steps[0] if steps.size else np.ones(earlier.steps.size, dtype=bool)
-            steps, loss, counted = (
+            steps, loss, counted, nonfinite = (
                 np.concatenate([part[before], own])
-                for part, own in zip(earlier, (steps, loss, counted), strict=True)
+                for part, own in zip(earlier, (steps, loss, counted, nonfinite), strict=True)
             )
         if not counted.any():
             counted[:] = True
-        return LossHistory(steps, loss, counted)
+        return LossHistory(steps, loss, counted, nonfinite)
 
     def _remember(self, rows: np.ndarray, world: int) -> None:
         self._world = world
@@ -298,16 +300,17 @@ class LiveDiagnosis:
 
 
 def step_loss_sums(rows: np.ndarray) -> LossSums:
-    """(steps, the sum of each step's finite losses, how many there were) over a gather's rows, in step
-    order: a step's mean over ranks is what `convergence.loss_per_step` makes of the same rows in a run. A
-    gather's steps span about one interval, so they are counted into a dense range (no sort)."""
+    """(steps, the sum of each step's finite losses, how many there were, how many non-finite ones were
+    logged) over a gather's rows, in step order: a step's mean over ranks is what `convergence.loss_per_step`
+    makes of the same rows in a run, and a step with a non-finite one is one `convergence.nonfinite_losses`
+    marks. A gather's steps span about one interval, so they are counted into a dense range (no sort)."""
     # Two columns, each read once into a contiguous array: a gather holds W x interval rows.
     step, loss = np.ascontiguousarray(rows[:, COL["step"]]), np.ascontiguousarray(rows[:, COL["loss"]])
     known = np.isfinite(step)
     if not known.all():
         step, loss = step[known], loss[known]
     if step.size == 0:
-        return np.empty(0), np.empty(0), np.empty(0)
+        return np.empty(0), np.empty(0), np.empty(0), np.empty(0)
     step = step.astype(np.intp)
     first, span = int(step.min()), int(step.max() - step.min()) + 1
     if span > 4 * step.size:  # (not one interval's steps: sort instead of a mostly empty range)
@@ -318,15 +321,21 @@ def step_loss_sums(rows: np.ndarray) -> LossSums:
     finite = np.isfinite(loss)
     sums = np.bincount(index, weights=np.where(finite, loss, 0.0), minlength=span)
     counts = np.bincount(index, weights=finite, minlength=span)
+    bad = np.bincount(index, weights=np.isinf(loss), minlength=span)  # (a logged NaN or Inf is +inf)
     present = np.bincount(index, minlength=span) > 0
-    return steps[present].astype(np.float64), sums[present], counts[present]
+    return steps[present].astype(np.float64), sums[present], counts[present], bad[present]
 
 
 def merge_loss_sums(parts: list[LossSums]) -> LossSums:
-    """One (steps, sums, counts) from several, in step order, each step's sums and counts added up."""
-    steps, sums, counts = (np.concatenate(column) for column in zip(*parts, strict=True))
+    """One (steps, sums, counts, non-finite counts) from several, in step order, each step's added up."""
+    steps, sums, counts, bad = (np.concatenate(column) for column in zip(*parts, strict=True))
     steps, index = np.unique(steps, return_inverse=True)
-    return steps, np.bincount(index, weights=sums), np.bincount(index, weights=counts)
+    return (
+        steps,
+        np.bincount(index, weights=sums),
+        np.bincount(index, weights=counts),
+        np.bincount(index, weights=bad),
+    )
 
 
 def earlier_loss_history(path: Path, segment: int, warmup: int) -> LossHistory:
@@ -364,18 +373,18 @@ def earlier_loss_history(path: Path, segment: int, warmup: int) -> LossHistory:
     if not parts:
         return _empty_history()
     by_segment = {seg: merge_loss_sums(p) for seg, p in parts.items()}
-    steps, sums, counts = (np.concatenate(column) for column in zip(*by_segment.values(), strict=True))
+    steps, sums, counts, bad = (np.concatenate(column) for column in zip(*by_segment.values(), strict=True))
     segs = np.concatenate([np.full(part[0].size, seg) for seg, part in by_segment.items()])
     order = np.lexsort((segs, steps))  # by step, then segment: each step's last row is its latest segment
-    steps, segs, sums, counts = steps[order], segs[order], sums[order], counts[order]
+    steps, segs, sums, counts, bad = (column[order] for column in (steps, segs, sums, counts, bad))
     latest = np.r_[steps[1:] != steps[:-1], True]
-    steps, segs, sums, counts = steps[latest], segs[latest], sums[latest], counts[latest]
+    steps, segs, sums, counts, bad = (column[latest] for column in (steps, segs, sums, counts, bad))
     with np.errstate(all="ignore"):
         loss = np.where(counts > 0, sums / np.maximum(counts, 1), np.nan)
     counted = np.ones(steps.size, dtype=bool)
     for seg in np.unique(segs):
         counted[np.flatnonzero(segs == seg)[:warmup]] = False
-    return LossHistory(steps, loss, counted)
+    return LossHistory(steps, loss, counted, bad > 0)
 
 
 _KEY_COLS = [COL["rank"], COL["segment"], COL["step"]]
@@ -391,7 +400,7 @@ def _add_loss_sums(parts: dict[int, list[LossSums]], rows: np.ndarray, before: i
 def _empty_history() -> LossHistory:
     from .analysis.convergence import LossHistory
 
-    return LossHistory(np.empty(0), np.empty(0), np.empty(0, dtype=bool))
+    return LossHistory(np.empty(0), np.empty(0), np.empty(0, dtype=bool), np.empty(0, dtype=bool))
 
 
 def first_nonfinite_row(rows: np.ndarray) -> tuple[int, tuple[int, ...]] | None:

@@ -18,7 +18,7 @@ from rich.text import Text
 from .analysis.convergence import TREND_MIN_STEPS
 from .analysis.efficiency import SegmentSpan
 from .analysis.timing import few_steps_note
-from .findings import Finding, Severity
+from .findings import Finding, Severity, format_ranks
 from .summary import Summary
 
 BAR_WIDTH = 30
@@ -170,8 +170,9 @@ def render_convergence(summary: Summary) -> RenderableType:
     lines = [
         f"trend: {c.trend.trend}"
         + (
-            f" from step {c.nonfinite_step} on (before it: {100 * c.trend.relative_change:+.1f}%, t = {c.trend.t:.1f})"
-            if c.trend.trend == "non-finite" and math.isfinite(c.trend.t)
+            f" from step {c.nonfinite_tail.step} on (before it: {100 * c.trend.relative_change:+.1f}%, t = "
+            f"{c.trend.t:.1f})"
+            if c.trend.trend == "non-finite" and c.nonfinite_tail is not None and math.isfinite(c.trend.t)
             else f" ({100 * c.trend.relative_change:+.1f}%, t = {c.trend.t:.1f}"
             + ("; a fall within the noise: more steps will tell)" if c.trend.trend == "unclear" else ")")
             if math.isfinite(c.trend.t)
@@ -199,7 +200,20 @@ def render_convergence(summary: Summary) -> RenderableType:
     else:
         lines.append("spikes: none")
     if c.nonfinite_step is not None:
-        lines.append(f"non-finite loss first at step {c.nonfinite_step}")
+        tail = c.nonfinite_tail
+        lines.append(
+            f"non-finite loss first at step {c.nonfinite_step}"
+            + (
+                f"; non-finite to the end from step {tail.step}"
+                + (
+                    f" on rank(s) {format_ranks(tail.ranks)}"
+                    if tail.ranks and len(tail.ranks) < summary.run.world_size
+                    else ""
+                )
+                if tail is not None
+                else f"; finite again after it ({c.nonfinite_steps} non-finite step(s) in all)"
+            )
+        )
     return Group(_section("Convergence"), *(Text(line) for line in lines))
 
 

@@ -494,6 +494,52 @@ def test_nan_after_dense_logging_is_nonfinite_but_sparse_logging_is_not():
     assert analyze(make_run(200, 2, loss=sparse), RunContext(world_size=2)).convergence.nonfinite_step is None
 
 
+def test_a_loss_that_stays_non_finite_on_one_rank_is_non_finite_not_improving():
+    # Rank 1 logged NaN (recorded as +inf) from step 40 to the end while rank 0's loss fell: the mean of the
+    # finite losses read "improving (-95.6%)", and the finding read as for one transient Inf.
+    t = np.arange(150)
+    fell = 3.0 * np.exp(-t / 30) + 0.1
+    loss = np.stack([fell, fell * 1.01], axis=1)
+    loss[39:, 1] = np.inf
+    a = analyze(make_run(150, 2, loss=loss), RunContext(world_size=2))
+    c = a.convergence
+    assert c.trend.trend == "non-finite" and c.nonfinite_step == 40 and c.nonfinite_ranks == (1,)
+    assert c.nonfinite_tail is not None and (c.nonfinite_tail.step, c.nonfinite_tail.ranks) == (40, (1,))
+    (found,) = [f for f in run_rules(a) if f.code == "CONVERGENCE.NONFINITE"]
+    assert "never recovered" in found.title
+    assert "The loss of rank(s) 1 stayed non-finite from step 40 to the end (111 step(s)" in found.detail
+    assert found.evidence["nonfinite_to_end_steps"] == 111 and found.evidence["nonfinite_steps"] == 111
+    assert not [f for f in run_rules(a) if f.code == "CONVERGENCE.NO_PROGRESS"]
+    out = io.StringIO()
+    Console(file=out, width=100, color_system=None).print(
+        render_convergence(summarize(make_run(150, 2, loss=loss), RunContext(world_size=2)))
+    )
+    assert "non-finite to the end from step 40 on rank(s) 1" in out.getvalue()
+
+    # A transient one (an Inf on rank 1 at step 40 only; it went on): "improving", and said to be transient.
+    loss[40:, 1] = fell[40:] * 1.01
+    a = analyze(make_run(150, 2, loss=loss), RunContext(world_size=2))
+    assert a.convergence.trend.trend == "improving" and a.convergence.nonfinite_tail is None
+    (found,) = [f for f in run_rules(a) if f.code == "CONVERGENCE.NONFINITE"]
+    assert found.title == "The loss became non-finite at step 40"
+    assert "It was finite again after it (1 step(s) in all had a non-finite loss)." in found.detail
+    assert "nonfinite_to_end_step" not in found.evidence
+
+    # Finite again, then non-finite for good later: judged by what the loss did before it stayed so.
+    loss[119:, 1] = np.inf
+    a = analyze(make_run(150, 2, loss=loss), RunContext(world_size=2))
+    c = a.convergence
+    assert c.trend.trend == "non-finite" and c.nonfinite_step == 40 and c.nonfinite_tail.step == 120
+    assert c.trend.finite_steps == 119 and c.trend.relative_change < -0.5  # (before step 120)
+    (found,) = [f for f in run_rules(a) if f.code == "CONVERGENCE.NONFINITE"]
+    assert found.title == "The loss became non-finite at step 40, for good from step 120"
+
+    # Recorded before a logged NaN became +inf: rank 1 logged every step, then NaN to the end.
+    loss[39:, 1] = np.nan
+    c = analyze(make_run(150, 2, loss=loss), RunContext(world_size=2)).convergence
+    assert c.trend.trend == "non-finite" and c.nonfinite_step == 40 and c.nonfinite_tail.ranks == (1,)
+
+
 def test_input_bound_needs_share_and_absolute_floor():
     slow_input = make_run(300, 4, data_ms=5.0)  # ~30% of a ~16.5 ms step
     found = [

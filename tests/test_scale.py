@@ -350,6 +350,31 @@ def test_the_live_diagnosis_judges_the_loss_over_the_whole_run_as_the_final_repo
     assert "CONVERGENCE.NO_PROGRESS" not in codes | {f.code for f in final.findings}
 
 
+def test_a_loss_that_stays_non_finite_on_one_rank_reads_so_live_as_in_the_final_report(tmp_path):
+    """Rank 1 logs NaN (+inf in its rows) from step 40 to the end of 1,200 steps, rank 0 a falling loss: the
+    live diagnosis, whose window no longer holds step 40, judges it from the run's loss history (per-step
+    sums and counts), and says what the final report says."""
+    from pytscope_core.rundir import load_run
+
+    loss = 3.0 * np.exp(-np.arange(1200) / 300) + 0.1
+    live = live_of(tmp_path)
+    for start in range(1, 1201, 50):
+        steps = range(start, start + 50)
+        rows = np.concatenate([rows_of(r, steps) for r in (0, 1)])
+        rows[:, COL["loss"]] = np.tile(loss[start - 1 : start + 49], 2)
+        rows[50:, COL["loss"]] = np.where(np.asarray(steps) >= 40, np.inf, rows[50:, COL["loss"]])
+        live.record(np.tile([steps[-1]] * 3 + [10.0, np.nan], (2, 1)), rows, start // 50 + 1, steps[-1])
+    live.diagnose(1200)
+    live.reporter.close()
+    final = summarize(load_run(tmp_path).arrays, RunContext(world_size=2))
+    assert final.convergence.trend.trend == "non-finite"
+    said = {f.code: f for f in live.findings}
+    (nonfinite,) = [f for f in final.findings if f.code == "CONVERGENCE.NONFINITE"]
+    assert said["CONVERGENCE.NONFINITE"].detail == nonfinite.detail
+    assert "The loss of rank(s) 1 stayed non-finite from step 40 to the end (1161 step(s)" in nonfinite.detail
+    assert "CONVERGENCE.NO_PROGRESS" not in said
+
+
 def test_after_a_resume_the_live_diagnosis_still_judges_the_loss_over_the_whole_run(tmp_path):
     """The resumed launch's steps alone read "stopped improving"; the run's, as the final report reads them
     (the steps replayed since the checkpoint counted once, from the resume), read improving."""
@@ -388,7 +413,7 @@ def test_the_earlier_segments_loss_is_read_in_chunks_as_the_reader_reads_the_run
     import functools
 
     from pytscope_core import live as live_module
-    from pytscope_core.analysis.convergence import loss_per_step
+    from pytscope_core.analysis.convergence import any_rank, loss_per_step, nonfinite_losses
     from pytscope_core.rundir import append_rank_rows, load_run
 
     reporter = RunReporter(tmp_path, {"world_size": 2}, console=False)
@@ -415,6 +440,8 @@ def test_the_earlier_segments_loss_is_read_in_chunks_as_the_reader_reads_the_run
     np.testing.assert_array_equal(history.steps, run.arrays.steps)
     np.testing.assert_allclose(history.loss, loss_per_step(run.arrays))
     np.testing.assert_array_equal(history.counted, run.arrays.counted)
+    nonfinite = any_rank(nonfinite_losses(run.arrays))
+    assert nonfinite.any() and (history.nonfinite == nonfinite).all()
     assert live_module.earlier_loss_history(tmp_path, segment=1, warmup=2).steps.tolist() == list(
         range(1, 31)
     )
@@ -452,11 +479,12 @@ def test_the_live_loss_history_is_the_runs_per_step_loss_in_step_order_past_warm
 
     rows = np.concatenate([rows_of(r, range(1, 4)) for r in (0, 1)])
     rows[:, COL["loss"]] = [2.0, 1.0, np.nan, 4.0, np.inf, np.nan]  # (+inf: a NaN/Inf loss was logged)
-    steps, sums, counts = step_loss_sums(rows[::-1])  # (in any order)
+    steps, sums, counts, nonfinite = step_loss_sums(rows[::-1])  # (in any order)
     assert (
         steps.tolist() == [1.0, 2.0, 3.0]
         and sums.tolist() == [6.0, 1.0, 0.0]
         and counts.tolist() == [2, 1, 0]
+        and nonfinite.tolist() == [0, 1, 0]
     )
 
     live = LiveDiagnosis(live_of(tmp_path).reporter, Segment(0, time.time(), 0, 2), warmup=2, errors=[])

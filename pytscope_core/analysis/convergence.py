@@ -6,7 +6,9 @@ not inflate it, leaving out the one or two that are far larger than the rest (a 
 the test is one-sided and strict and must also clear a relative-change floor, because a significance test
 alone calls any long run "changing". The records hold a logged NaN or Inf loss as +inf and
 "not logged" as NaN; in runs recorded before that distinction, a NaN is only called non-finite when a rank
-that logged every step stops with NaN and never logs again.
+that logged every step stops with NaN and never logs again. A step is non-finite when any rank's loss is (its
+NaN gradients reach every rank through the all-reduce): a rank whose loss stays NaN makes the run's loss
+non-finite to the end, whatever the mean of the other ranks' finite losses does.
 """
 
 from __future__ import annotations
@@ -141,6 +143,8 @@ class Convergence:
     plateau: Plateau | None = None  # where an improving loss stopped improving (`plateau_start`)
     rise: Rise | None = None  # where a loss that had fallen turned up (`rise_start`)
     loss_before_nonfinite: float = math.nan  # the last finite loss before `nonfinite_step`, when recorded
+    nonfinite_steps: int = 0  # steps in which some rank's loss was non-finite
+    nonfinite_tail: NonfiniteTail | None = None  # where it stayed non-finite to the end (`nonfinite_tail`)
 
 
 def loss_per_step(arrays: RunArrays) -> np.ndarray:
@@ -315,25 +319,23 @@ def find_spikes(loss: np.ndarray, steps: np.ndarray) -> tuple[Spike, ...]:
     )
 
 
-def first_nonfinite(arrays: RunArrays) -> tuple[int | None, tuple[int, ...]]:
-    """First step with an infinite loss, or with a NaN that ends a rank's unbroken run of logged losses."""
+def nonfinite_losses(arrays: RunArrays) -> np.ndarray:
+    """(S, R) bool: where a rank's loss was non-finite: an infinite loss (a logged NaN or Inf), or each NaN
+    after a rank's unbroken run of logged losses where it never logs a finite one again (`nonfinite_cells`).
+    A loss broadcast to every rank is judged once, and blames every rank (a read-only view)."""
     loss = np.asarray(arrays.loss)
     s, r = loss.shape
     if s == 0 or r == 0:
-        return None, ()
+        return np.zeros((s, r), dtype=bool)
     # A NaN where a rank has no record at all (never gathered: a hang, a kill) is missing, not a bad loss.
     present = np.isfinite(arrays.wall_ms)
     if loss.strides[1] == 0:  # the same loss on every rank: judge one column, blame every rank
-        step, ranks = first_nonfinite_columns(
-            loss[:, :1], arrays.steps, arrays.ranks[:1], present.all(axis=1)[:, None]
-        )
-        return step, (tuple(int(x) for x in arrays.ranks) if step is not None else ())
-    return first_nonfinite_columns(loss, arrays.steps, arrays.ranks, present)
+        return np.broadcast_to(nonfinite_cells(loss[:, :1], present.all(axis=1)[:, None]), (s, r))
+    return nonfinite_cells(loss, present)
 
 
-def first_nonfinite_columns(
-    loss: np.ndarray, steps: np.ndarray, rank_ids: np.ndarray, present: np.ndarray | None = None
-) -> tuple[int | None, tuple[int, ...]]:
+def nonfinite_cells(loss: np.ndarray, present: np.ndarray | None = None) -> np.ndarray:
+    """`nonfinite_losses` of a (S, C) loss array; `present`: where a rank has a record at all."""
     s = loss.shape[0]
     bad = np.isinf(loss)
     finite = np.isfinite(loss)
@@ -344,26 +346,79 @@ def first_nonfinite_columns(
     nan_end = has_finite & dense & (last_fin - first_fin >= 2) & (last_fin < s - 1)
     cols = np.flatnonzero(nan_end)
     if cols.size:
-        rows = last_fin[cols] + 1
-        nan_here = np.isnan(loss[rows, cols])
+        # (Runs recorded before a logged NaN became +inf: a rank that logged every step and then NaN, never
+        # logging a finite loss again, logged NaN from there on.)
+        after = np.isnan(loss[:, cols]) & (np.arange(s)[:, None] > last_fin[cols])
         if present is not None:
-            nan_here &= present[rows, cols]
-        bad[rows[nan_here], cols[nan_here]] = True
-    any_bad = bad.any(axis=1)
+            after &= present[:, cols]
+        stops = after[last_fin[cols] + 1, np.arange(cols.size)]  # (with a NaN, not with no record at all)
+        bad[:, cols[stops]] |= after[:, stops]
+    return bad
+
+
+def first_nonfinite(arrays: RunArrays, bad: np.ndarray | None = None) -> tuple[int | None, tuple[int, ...]]:
+    """First step with a non-finite loss (`nonfinite_losses`, or `bad` when already computed), and the
+    ranks whose loss was non-finite there."""
+    bad = nonfinite_losses(arrays) if bad is None else bad
+    any_bad = any_rank(bad)
     if not any_bad.any():
         return None, ()
     i = int(any_bad.argmax())
-    return int(steps[i]), tuple(int(rank_ids[j]) for j in np.flatnonzero(bad[i]))
+    return int(arrays.steps[i]), tuple(int(arrays.ranks[j]) for j in np.flatnonzero(bad[i]))
+
+
+def any_rank(bad: np.ndarray) -> np.ndarray:
+    """(S,) the steps where some rank's loss was non-finite, of `nonfinite_losses`."""
+    return np.asarray(bad[:, 0] if bad.shape[1] and bad.strides[1] == 0 else bad.any(axis=1))
+
+
+@dataclass(frozen=True)
+class NonfiniteTail:
+    """Where the loss stopped being finite for good: from `step` to the end, some rank's loss was non-finite
+    in every step that had a loss (a rank's NaN poisons the all-reduced gradients of every rank)."""
+
+    step: int
+    steps: int  # the steps from there on with a non-finite loss
+    ranks: tuple[int, ...]  # the ranks whose loss never became finite again; () where not known
+
+
+def nonfinite_tail(nonfinite: np.ndarray, loss: np.ndarray) -> tuple[int, int] | None:
+    """(index of its first step, how many of its steps are non-finite) of the run's non-finite tail: the
+    steps after the last one whose loss was finite (`loss`, the mean over ranks of finite losses, finite, and
+    `nonfinite`, (S,) bool, False), from the first of them with a non-finite loss on some rank; None when
+    there are none (the loss was finite again after its last non-finite step)."""
+    finite = np.isfinite(loss) & ~nonfinite
+    last_finite = int(finite.size - 1 - finite[::-1].argmax()) if finite.any() else -1
+    after = np.flatnonzero(nonfinite[last_finite + 1 :])
+    if after.size == 0:
+        return None
+    return last_finite + 1 + int(after[0]), int(after.size)
+
+
+def never_finite_again(arrays: RunArrays, bad: np.ndarray, step: int) -> tuple[int, ...]:
+    """The ranks with a non-finite loss (`bad`, (S, R)) at or after `step` whose loss was never finite after
+    their last non-finite one."""
+    since = arrays.steps >= step
+    bad = bad[since]
+    finite = np.isfinite(np.asarray(arrays.loss)[since])
+    s = bad.shape[0]
+    if s == 0:
+        return ()
+    last_bad = s - 1 - bad[::-1].argmax(axis=0)
+    last_finite = np.where(finite.any(axis=0), s - 1 - finite[::-1].argmax(axis=0), -1)
+    stuck = bad.any(axis=0) & (last_bad > last_finite)
+    return tuple(int(arrays.ranks[j]) for j in np.flatnonzero(stuck))
 
 
 class LossHistory(NamedTuple):
     """Every step's loss in the run, for a diagnosis whose arrays hold only the latest steps (rank 0's live
-    window): the loss's course (trend, plateau, rise) is then judged as the final report judges it, and a
-    live "stopped improving" cannot stand against an end-of-run "improving"."""
+    window): the loss's course (trend, plateau, rise, whether it stayed non-finite) is then judged as the
+    final report judges it, and a live "stopped improving" cannot stand against an end-of-run "improving"."""
 
     steps: np.ndarray  # (S,)
     loss: np.ndarray  # (S,) the mean over ranks of finite losses, NaN where none was
     counted: np.ndarray  # (S,) bool: the steps the statistics use (`timing.statistics_steps`)
+    nonfinite: np.ndarray  # (S,) bool: some rank's loss was non-finite (`nonfinite_losses`)
 
 
 def convergence(
@@ -374,13 +429,24 @@ def convergence(
 ) -> Convergence:
     """`seen`: the run's first non-finite loss when known from steps before `arrays` (RunContext); `history`:
     the whole run's loss when `arrays` is a window of it. Spikes are looked for in `arrays` either way (they
-    name the ranks that spiked)."""
+    name the ranks that spiked), and so are the ranks whose loss stayed non-finite."""
     window = loss_per_step(arrays)
-    steps, per_step, sel_all = (arrays.steps, window, sel) if history is None else history
+    bad = nonfinite_losses(arrays)
+    if history is None:
+        history = LossHistory(arrays.steps, window, sel, any_rank(bad))
+    steps, per_step, sel_all, nonfinite = history
+    finite = per_step[np.isfinite(per_step)]
+    step, ranks = seen if seen is not None else first_nonfinite(arrays, bad)
+    tail = None
+    at = nonfinite_tail(nonfinite, per_step) if step is not None else None
+    if at is not None:
+        tail_step = int(steps[at[0]])
+        tail = NonfiniteTail(tail_step, at[1], never_finite_again(arrays, bad, tail_step))
+        # What the loss did before it stayed non-finite is the course to judge: after it, the finite losses of
+        # the other ranks are the mean of fewer ranks, computed with poisoned weights.
+        sel_all = sel_all & (steps < tail_step)
     counted = per_step[sel_all]
     counted_steps = steps[sel_all]
-    finite = per_step[np.isfinite(per_step)]
-    step, ranks = seen if seen is not None else first_nonfinite(arrays)
     rise = rise_start(counted, counted_steps)
     # A plateau bounds its tail's change by a share of the fall before it, which after a large fall admits a
     # tail that rose significantly: that tail is a rise, not a plateau.
@@ -398,7 +464,7 @@ def convergence(
     if finite.size > 40:
         spark = stats.block_means(finite, 40)
     trend = loss_trend(counted)  # (of the finite losses)
-    if step is not None and not np.isfinite(per_step[steps >= step]).any():
+    if tail is not None:
         trend = replace(trend, trend="non-finite")  # what fell before the NaN is not where the run is going
     return Convergence(
         trend=trend,
@@ -413,4 +479,6 @@ def convergence(
         plateau=plateau,
         rise=rise,
         loss_before_nonfinite=before,
+        nonfinite_steps=int(np.count_nonzero(nonfinite)),
+        nonfinite_tail=tail,
     )

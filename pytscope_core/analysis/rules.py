@@ -706,15 +706,38 @@ def duplicate_shards(a: RunAnalysis) -> list[Finding]:
 
 @rule("CONVERGENCE.NONFINITE")
 def nonfinite(a: RunAnalysis) -> list[Finding]:
-    """The first NaN/Inf loss. No floor: one non-finite loss poisons the weights."""
+    """The first NaN/Inf loss, and whether the loss was ever finite again (`convergence.nonfinite_tail`). No
+    floor: one non-finite loss poisons the weights."""
     c = a.convergence
     if c.nonfinite_step is None:
         return []
+    tail = c.nonfinite_tail
+    evidence = {"step": float(c.nonfinite_step), "nonfinite_steps": float(c.nonfinite_steps)}
+    if tail is None:
+        title = f"The loss became non-finite at step {c.nonfinite_step}"
+        course = (
+            f" It was finite again after it ({c.nonfinite_steps} step(s) in all had a non-finite loss)."
+            if c.nonfinite_steps
+            else ""
+        )
+    else:
+        evidence |= {"nonfinite_to_end_step": float(tail.step), "nonfinite_to_end_steps": float(tail.steps)}
+        title = f"The loss became non-finite at step {c.nonfinite_step}" + (
+            " and never recovered" if tail.step == c.nonfinite_step else f", for good from step {tail.step}"
+        )
+        # Some ranks' losses stayed finite: their mean is no sign that it trained (a rank's NaN gradients
+        # reach every rank through the all-reduce).
+        some = bool(tail.ranks) and 1 < a.world_size and len(tail.ranks) < a.world_size
+        course = (
+            f" {f'The loss of rank(s) {format_ranks(tail.ranks)}' if some else 'The loss'} stayed non-finite "
+            f"from step {tail.step} to the end ({tail.steps} step(s) with a non-finite loss)"
+            + ("; the other ranks' finite losses do not mean that it trained." if some else ".")
+        )
     return [
         Finding(
             code="CONVERGENCE.NONFINITE",
             severity=Severity.HIGH,
-            title=f"The loss became non-finite at step {c.nonfinite_step}",
+            title=title,
             detail=(
                 f"First NaN/Inf loss at step {c.nonfinite_step} on rank(s) {format_ranks(c.nonfinite_ranks)}"
                 + (
@@ -723,14 +746,21 @@ def nonfinite(a: RunAnalysis) -> list[Finding]:
                     if math.isfinite(c.loss_before_nonfinite)
                     else "."
                 )
+                + course
             ),
             recommendation=(
                 "Lower the learning rate or add warm-up, clip gradients, and check the batch at that step "
                 "for bad values; under fp16 use a GradScaler (or bf16)."
+                + (
+                    f" A loss that stays non-finite does not recover: restart from a checkpoint saved before step "
+                    f"{tail.step}."
+                    if tail is not None
+                    else ""
+                )
             ),
             ranks=c.nonfinite_ranks,
             steps=(c.nonfinite_step,),
-            evidence={"step": float(c.nonfinite_step)},
+            evidence=evidence,
         )
     ]
 
