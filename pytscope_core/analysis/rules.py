@@ -793,7 +793,9 @@ def spike(a: RunAnalysis) -> list[Finding]:
             title=f"{len(spikes)} loss spike(s)",
             detail=(
                 f"Loss jumped well above its local level at step(s) {listed}; the largest went "
-                f"from {worst.baseline:.4g} to {worst.loss:.4g} (x{ratio:.2f}, the mean over ranks) at step "
+                f"from {worst.baseline:.4g} to {worst.loss:.4g} (x{ratio:.2f}"
+                + (", the mean over ranks" if a.world_size > 1 else "")
+                + f") at step "
                 f"{worst.step}" + (f", on rank(s) {format_ranks(worst.ranks)} only." if worst.ranks else ".")
             ),
             recommendation=(
