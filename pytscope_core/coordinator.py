@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from .gather import Exchange
+from .gather import Exchange, syncs_per_step
 from .placement import Placement, local_place
 from .recorder import StepRecorder
 from .rundir import next_segment
@@ -91,11 +91,7 @@ class Coordinator:
     def schedule(self, syncs_seen: bool) -> None:
         """At the first step boundary: meet on gradient syncs where DDP syncs (a safe place to meet even
         for a rank that took one optimizer step more or less), else on optimizer steps."""
-        rec = self.recorder
-        rec.notify_on_syncs = syncs_seen and rec.grad_syncs > 0
-        # `interval` counts optimizer steps: a step that syncs more than once (accumulation without
-        # no_sync()) counts its syncs, as the first step had them (the same on every rank: collectives).
-        self._syncs_per_step = max(1, rec.window[-1].syncs) if rec.notify_on_syncs and rec.window else 1
+        self.recorder.notify_on_syncs = syncs_seen and self.recorder.grad_syncs > 0
         self.scheduled = True
         self._advance()
 
@@ -116,7 +112,10 @@ class Coordinator:
         return rec.grad_syncs if rec.notify_on_syncs else rec.steps_done
 
     def _advance(self) -> None:
-        span = self.interval * self._syncs_per_step
+        # `interval` counts optimizer steps: where each step syncs several times (accumulation without
+        # no_sync()), the gathers after the first meet every `interval` steps' syncs (rank 0's count at the
+        # last gather, the same on every rank: `gather.syncs_per_step`).
+        span = self.interval * (self._syncs_per_step if self.recorder.notify_on_syncs else 1)
         self._next_gather = (self._key() // span + 1) * span
         self.recorder.notify_at = self._next_gather
 
@@ -124,10 +123,18 @@ class Coordinator:
     def exchange(self, counters: tuple[float, ...], rows: np.ndarray) -> Exchange | None:
         """Every rank's counters and rows on rank 0, None on the others (collective when distributed)."""
         self.gathers += 1
+        ex: Exchange | None
         if self.gatherer is None:
-            return Exchange(np.array([[*counters[:3], rows.shape[0], counters[3]]]), rows)
-        self.check_peers_enabled()
-        return self.gatherer.exchange(counters, rows)
+            headers = np.array([[*counters[:3], rows.shape[0], counters[3]]])
+            ex, told = Exchange(headers, rows), syncs_per_step(headers)
+        else:
+            self.check_peers_enabled()
+            ex = self.gatherer.exchange(counters, rows)
+            told = self.gatherer.syncs_per_step
+        if told != self._syncs_per_step:  # every rank is told the same at the same gather: the same schedule
+            self._syncs_per_step = told
+            self._advance()
+        return ex
 
     def all_gather_ints(self, values: list[int]) -> list[list[int]] | None:
         return self.gatherer.all_gather_ints(values) if self.gatherer is not None else None

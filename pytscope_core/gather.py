@@ -3,8 +3,10 @@
 A gloo group with a timeout, CPU tensors only, so the scope never touches the training's streams or
 communicator. Only rank 0 reads the records, so they travel one way: each rank sends one fixed-size block (a
 header row with its cumulative counters, then up to `capacity` rows of its window) with `dist.gather`, and
-receives a single number back (`dist.broadcast`: how many rows beyond the capacity the longest window holds,
-almost always 0; when it is not, a second gather carries the tail). Bytes per rank and interval are constant
+receives two numbers back (`dist.broadcast`: how many rows beyond the capacity the longest window holds,
+almost always 0, and when it is not a second gather carries the tail; and the gradient syncs per optimizer
+step, by which every rank schedules its next gathers: `syncs_per_step`). Bytes per rank and interval are
+constant
 in the world size; rank 0 receives O(W). Rank 0 sees every header, so ranks that disagree on how many steps
 they took are seen (DIST.DESYNC) even though every rank met at the same collective.
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import math
 import os
 import time
 from collections.abc import Iterator
@@ -56,6 +59,7 @@ class Gatherer:
         self.rank = dist.get_rank()
         self.capacity = max(1, capacity)  # rows per rank in the fixed-size block: the gather interval
         self.traffic = Traffic()
+        self.syncs_per_step = 1  # as rank 0 last told every rank (`syncs_per_step`)
         t0 = time.perf_counter()
         # new_group is collective: every rank creates it at the same point (the first loop top).
         with _lazy_connections():
@@ -104,11 +108,13 @@ class Gatherer:
             block[1 : 1 + min(n, cap)] = torch.from_numpy(rows[:cap])
         blocks = self._gather(block)
         stacked = torch.stack(blocks).numpy() if blocks is not None else None
-        tail_rows = torch.zeros(1, dtype=torch.int64)  # rows beyond the capacity on the longest window
+        # Rows beyond the capacity on the longest window, and the syncs per step every rank schedules by.
+        told = torch.zeros(2, dtype=torch.int64)
         if stacked is not None:
-            tail_rows[0] = max(0, int(stacked[:, 0, HEADER.index("rows")].max()) - cap)
-        self._dist.broadcast(tail_rows, src=0, group=self.group)
-        width = int(tail_rows[0])
+            told[0] = max(0, int(stacked[:, 0, HEADER.index("rows")].max()) - cap)
+            told[1] = syncs_per_step(stacked[:, 0, : len(HEADER)])
+        self._dist.broadcast(told, src=0, group=self.group)
+        width, self.syncs_per_step = int(told[0]), int(told[1])
         tails = None
         if width:
             tail = torch.full((width, NCOLS), float("nan"), dtype=torch.float64)
@@ -133,10 +139,10 @@ class Gatherer:
         """Payload of this exchange: each rank sends its blocks to rank 0 and gets one int64 back."""
         if self.rank == 0:
             self.traffic = Traffic(
-                sent=8 * (self.world_size - 1), received=8 * numbers * (self.world_size - 1)
+                sent=16 * (self.world_size - 1), received=8 * numbers * (self.world_size - 1)
             )
         else:
-            self.traffic = Traffic(sent=8 * numbers, received=8)
+            self.traffic = Traffic(sent=8 * numbers, received=16)
 
     def barrier(self) -> None:
         # Best effort at the end of a run, bounded by the group's timeout.
@@ -150,6 +156,15 @@ class Gatherer:
             with contextlib.suppress(Exception):  # best effort at the end of a run
                 self._dist.destroy_process_group(self.group)
         self.group = None
+
+
+def syncs_per_step(headers: np.ndarray) -> int:
+    """Gradient syncs per optimizer step, from every rank's cumulative counters at a gather (`HEADER` rows):
+    the fewest syncs over the most steps, rounded down, at least 1. Several where each step syncs several
+    times (accumulation without no_sync()); a rank that skipped a step, or a GradScaler's skipped first
+    steps, never stretch it. Computed on rank 0 and sent to every rank: ranks never disagree on it."""
+    steps, syncs = float(np.max(headers[:, 0])), float(np.min(headers[:, 1]))
+    return max(1, int(syncs // steps)) if steps >= 1 and math.isfinite(syncs) else 1
 
 
 @contextlib.contextmanager

@@ -60,6 +60,7 @@ def _main(rank: int, world: int, port: int, o: dict[str, Any]) -> None:
         console=False,
         hang_timeout=o.get("hang_timeout", None),
         on_hang=o.get("on_hang", "abort"),
+        gather_timeout=o.get("gather_timeout", 300.0),
     )
     scope.watch(ddp, opt)
     # Each rank draws its own data, unless `same_data`: a loop without a DistributedSampler.
@@ -92,7 +93,8 @@ def _main(rank: int, world: int, port: int, o: dict[str, Any]) -> None:
             if slow and step == o.get("block_before_backward"):  # the step has opened: past its loop top
                 spin(3600e3)
             loss.backward()
-        opt.step()
+        if not (slow and step == o.get("skip_step_at")):  # a rank-local guard (`if loss.isfinite()`)
+            opt.step()
         opt.zero_grad()
         scope.log(loss=loss)
         if slow and step == o.get("block_after"):  # after its optimizer step: the others reach the gather

@@ -162,6 +162,14 @@ def test_rank_that_skips_one_gradient_sync_is_a_desync_before_it_hangs(tmp_path)
     assert findings["DIST.HANG"]["ranks"] == [1]
 
 
+def test_a_rank_that_skips_its_first_optimizer_step_is_a_desync_not_a_stalled_gather(tmp_path):
+    # Its first step holds two all-reduces, the other rank's one: a schedule each rank derived from its own
+    # first step would meet at different points, and the gather wait for gather_timeout with training stalled.
+    ddp_worker.run(2, dict(run_dir=str(tmp_path), steps=40, skip_step_at=1, interval=5, gather_timeout=20.0))
+    s = report(tmp_path)
+    assert s["scope"]["errors"] == [] and "DIST.DESYNC" in {f["code"] for f in s["findings"]}
+
+
 def test_ranks_that_each_use_their_own_head_stay_in_step_and_time_every_backward(tmp_path):
     # Multi-task: each rank picks one of two heads every step (find_unused_parameters=True). The gradient
     # hooks kept after the first backward are in one head; a backward through the other one must still count

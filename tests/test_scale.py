@@ -502,3 +502,15 @@ def test_the_live_loss_history_is_the_runs_per_step_loss_in_step_order_past_warm
     assert history.steps.tolist() == list(range(1, 41))
     assert history.loss[:39].tolist() == list(range(1, 40)) and history.loss[39] == (40.0 + 42.0) / 2
     assert history.counted.tolist() == [False, False] + [True] * 38  # the launch's first 2 steps: warm-up
+
+
+def test_the_syncs_per_step_every_rank_schedules_by_is_never_stretched_by_a_skipped_step():
+    from pytscope_core.gather import syncs_per_step
+
+    def at(steps, syncs):  # HEADER rows: steps, grad_syncs, micro_batches, rows, checksum
+        return np.array([[st, sy, sy, 5, 0.0] for st, sy in zip(steps, syncs, strict=True)])
+
+    assert syncs_per_step(at([12, 12], [50, 50])) == 4  # accumulation of 4 without no_sync(), mid-window
+    assert syncs_per_step(at([5, 4], [5, 5])) == 1  # a rank that skipped a step
+    assert syncs_per_step(at([47, 47], [50, 50])) == 1  # a GradScaler's skipped first steps
+    assert syncs_per_step(at([0, 0], [0, 0])) == 1 and syncs_per_step(at([9], [0])) == 1

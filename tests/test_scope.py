@@ -170,7 +170,9 @@ def test_gathers_come_every_interval_optimizer_steps_when_each_step_syncs_severa
             model(torch.randn(4, 8)).sum().backward()
         opt.step()
         opt.zero_grad()
-    assert scope.coordinator.gathers == 3  # after steps 5, 10 and 15 (the run starts at the first step)
+    # The first at 5 all-reduces (step 2), where rank 0 learns the 4 syncs per step it tells every rank; then
+    # after steps 5, 10 and 15 (the one after step 20 never comes: the run ends there).
+    assert scope.coordinator.gathers == 4
     scope.finish()
     assert load_run(tmp_path).arrays.grad_syncs.sum() == 80
 
