@@ -53,7 +53,8 @@ class RankFailure:
     reason: str  # "the process raised RuntimeError: ..."
     last_step: int | None  # its last recorded step
     t: float | None  # seconds since the epoch, when it wrote them (None: a run from before they were kept)
-    resumed_past: bool  # the job went on past it (a later launch recorded later steps of this rank)
+    resumed_past: bool  # the job went on past it (a later launch recorded steps)
+    segment: int | None = None  # its launch (None: a run from before launches were written with it)
 
 
 SCOPE_DISABLED = "scope disabled"

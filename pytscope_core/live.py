@@ -206,7 +206,7 @@ class LiveDiagnosis:
         findings = run_rules(analysis)
         missing = MIN_STATISTIC_STEPS - analysis.timing.steps_counted
         with self._lock:
-            self._full_at = step + missing if missing > 0 else None
+            self._full_at = step + missing if missing > 0 and self.diagnoses == 0 else None  # (once)
             self.diagnoses += 1
             self.findings = findings + self.extra_findings
             # A HIGH or MED finding the diagnosis no longer makes is said to be gone (a stale alarm must not

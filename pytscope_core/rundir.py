@@ -116,17 +116,24 @@ class RunWriter:
 
 
 def append_rank_rows(
-    path: Path, rank: int, rows: np.ndarray, reason: str, at_step: int | None = None
+    path: Path, rank: int, rows: np.ndarray, reason: str, at_step: int | None = None, segment: int = 0
 ) -> None:
-    """A rank's own rows, written by that rank (any rank: rank 0 may be hung too), with the reason and the
-    last step the rank had recorded (`at_step` when no row is written)."""
+    """A rank's own rows, written by that rank (any rank: rank 0 may be hung too), with the reason, the last
+    step the rank had recorded (`at_step` when no row is written) and its launch (`segment`)."""
     folder = path / "ranks"
     folder.mkdir(parents=True, exist_ok=True)
     if rows.size:
         with open(folder / f"rank{rank}.f64", "ab") as f:
             f.write(np.ascontiguousarray(in_layout(rows, run_columns(path)), dtype="<f8").tobytes())
     last = rows[:, COLUMNS.index("step")].max() if rows.size else at_step
-    line = {"rank": rank, "reason": reason, "rows": int(rows.shape[0]), "last_step": last, "t": time.time()}
+    line = {
+        "rank": rank,
+        "reason": reason,
+        "rows": int(rows.shape[0]),
+        "last_step": last,
+        "segment": segment,
+        "t": time.time(),
+    }
     with open(folder / f"rank{rank}.jsonl", "a") as f:
         f.write(json.dumps(_jsonable(line)) + "\n")
 
@@ -192,6 +199,7 @@ def read_rank_files(
             seen.add(tuple(key))
         rows = rows[keep]
     every = np.concatenate([known, rows])
+    segments = every[:, COL["segment"]]
     reasons: dict[int, str] = {}
     failures: list[RankFailure] = []
     for n in rank_files(".jsonl"):
@@ -203,10 +211,18 @@ def read_rank_files(
                 later = every[:, COL["step"]][every[:, COL["rank"]] == rank]
                 went_on = last is not None and later.size > 0 and float(np.nanmax(later)) > float(last)
                 if RAISED in reason and not reason.split(RAISED, 1)[1].startswith(NOT_FAILURES):
-                    t = entry.get("t")
+                    t, seg = entry.get("t"), entry.get("segment")
                     at = float(t) if isinstance(t, (int, float)) and math.isfinite(t) else None
                     step = int(last) if last is not None else None
-                    failures.append(RankFailure(rank, reason, step, at, went_on))
+                    launch = seg if isinstance(seg, int) else None
+                    # Went on past it: a later launch recorded steps, or this rank later steps in its launch
+                    # (a run from before launches were written: this rank's later steps in any launch).
+                    past = went_on
+                    if launch is not None:
+                        in_launch = (segments == launch) & (every[:, COL["rank"]] == rank)
+                        in_launch &= every[:, COL["step"]] > (last if last is not None else math.inf)
+                        past = bool((segments > launch).any() or in_launch.any())
+                    failures.append(RankFailure(rank, reason, step, at, past, launch))
                 if went_on:
                     reasons.pop(rank, None)
                     continue

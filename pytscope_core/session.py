@@ -56,13 +56,17 @@ class RunSession:
         self._epoch_offset = time.time() - time.perf_counter()  # host perf_counter -> seconds since epoch
         if self.rank == 0:
             self._open_run()
-        self._check_shards()
         self._watchdog: Any = None
         self.own_rows = OwnRows(scope, self.run_dir, self._epoch_offset)
         self._sigterm = SigtermChain(self._on_sigterm)
         self._sigterm.install()
         if scope.options.hang_timeout is not None:
             self._start_watchdog()
+        try:
+            self._check_shards()
+        except Exception:
+            self.release()  # (the scope disables itself: what this session opened is closed first)
+            raise
 
     def _check_shards(self) -> None:
         """DATA.UNEVEN_SHARDS from every rank's watched loader (collective: every rank runs the same loop, so
@@ -354,8 +358,9 @@ class OwnRows:
     the report covers every rank up to a hang, a SIGTERM or an exception. `flush` reads the recorder without
     changing it (the caller may be another thread, or a signal handler). A flush that an exception cut short
     (e.g. a second SIGTERM whose handler raised in the middle of it) is done again by the next caller; a later
-    one writes only the steps done since, under the first reason: the cause (Lightning finishes the batch in
-    flight after a SIGTERM, then raises)."""
+    one writes again only where steps were done since, under a SIGTERM's reason where that came first (the cause: Lightning
+    finishes the batch in flight after it, then raises), else under its own (a hang that cleared, then an
+    exception)."""
 
     def __init__(self, scope: Scope, run_dir: Path, epoch_offset: float) -> None:
         self.scope = scope
@@ -364,7 +369,7 @@ class OwnRows:
         self.in_flight: np.ndarray | None = (
             None  # rows handed to a gather that has not returned (a peer hung)
         )
-        self._flushed: tuple[str, int] | None = None  # (the first reason, the steps done when written)
+        self._flushed: tuple[str, int] | None = None  # (the reason, the steps done when written)
         self._lock = threading.Lock()  # one caller at a time (a signal may arrive during a flush)
 
     def flush(self, reason: str) -> None:
@@ -373,7 +378,8 @@ class OwnRows:
             return  # CUDA events behind a hung kernel never resolve
         if self._flushed is not None and scope.recorder.completed[0] <= self._flushed[1]:
             return  # nothing new since (a hang, then the launcher's SIGTERM)
-        reason = reason if self._flushed is None else self._flushed[0]
+        if self._flushed is not None and self._flushed[0].startswith("SIGTERM"):
+            reason = self._flushed[0]  # the cause: Lightning finishes the batch in flight, then raises
         if not self._lock.acquire(blocking=False):
             return  # a flush is under way: this call interrupted it (a signal) or raced it (the watchdog)
         try:
@@ -385,7 +391,7 @@ class OwnRows:
             if in_flight is not None:  # drained for a gather the main thread is still blocked in
                 rows = np.concatenate([in_flight, rows])
             last = rec.current_label() if rec.steps_done else None
-            append_rank_rows(self.run_dir, rank, rows, reason, at_step=last)  # (rows again: read once)
+            append_rank_rows(self.run_dir, rank, rows, reason, last, scope.segment)  # (rows again: read once)
             self._flushed = (reason, rec.completed[0])
         finally:
             self._lock.release()

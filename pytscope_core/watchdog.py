@@ -109,8 +109,10 @@ def classify_hang(
         idle[r] = float("inf") if b is None else _idle(b)
         if b is not None and progressing(b, timeout_s):
             return None  # someone is still making progress: slow, not hung
-    if len(beats) == world_size and all(b["phase"] == "paused" for b in beats.values()):
-        return None  # every rank in a pause it was told of (an evaluation, a checkpoint): not training
+    if len(beats) == world_size and all(
+        b["phase"] == "paused" and float(b.get("age_s", 0.0)) < timeout_s for b in beats.values()
+    ):
+        return None  # every rank in a pause it was told of (an evaluation, a checkpoint), and alive: not training
     phases = TRAINING_COLLECTIVES if collective_only else WAITING_PHASES
     waiting = sorted(r for r, b in beats.items() if b["phase"] in phases)
     missing = sorted(r for r in range(world_size) if r not in waiting)
@@ -537,14 +539,16 @@ class Watchdog(threading.Thread):
 
     def _wait_for(self, keys: list[str], wait_s: float) -> None:
         deadline = _monotonic() + wait_s
+        poll = max(0.05, self.world_size / STORE_BEATS_PER_S)  # every rank polls: the store's rate, as beats
         while _monotonic() < deadline and not self.store.check(keys):
-            time.sleep(0.05)
+            time.sleep(poll)
 
 
 def abort_line(rank: int, local_rank: int) -> str | None:
     """What a rank says as a hang's abort ends it: one line per host, not one per rank (rank 0's, and on each
-    other host its local rank 0's, for that host's own log); None for the other ranks."""
-    if rank != 0 and local_rank != 0:
+    other host its local rank 0's, for that host's own log; every rank's where the launcher sets no
+    LOCAL_RANK); None for the other ranks."""
+    if rank != 0 and local_rank > 0:  # (a rank that does not know its local rank speaks: its host may not)
         return None
     return f"hang detected: every rank exits with code {HANG_EXIT_CODE} (on_hang='abort')"
 

@@ -1063,3 +1063,14 @@ def test_a_spike_while_the_loss_still_falls_fast_is_found_and_the_fall_alone_is_
     assert [(s.step, s.ranks) for s in a.convergence.spikes] == [(80, ()), (100, (1,))]
     (found,) = [f for f in run_rules(a) if f.code == "CONVERGENCE.SPIKE"]
     assert found.severity == Severity.MED  # (x8, far out of the noise: not a converged loss's batch swing)
+
+
+def test_one_nan_on_the_last_step_is_not_a_loss_that_stayed_non_finite():
+    loss = np.linspace(3.0, 1.0, 200)
+    loss[-1] = np.nan  # (logged as NaN: the rows hold +inf for a logged non-finite loss)
+    arrays = RunArrays.from_arrays(np.ones((200, 1, 6)), loss=np.where(np.isnan(loss), np.inf, loss))
+    c = analyze(arrays, RunContext(world_size=1)).convergence
+    assert c.trend.trend != "non-finite" and c.nonfinite_step == 200
+    loss[-3:] = np.inf  # three: it stayed
+    arrays = RunArrays.from_arrays(np.ones((200, 1, 6)), loss=loss)
+    assert analyze(arrays, RunContext(world_size=1)).convergence.trend.trend == "non-finite"

@@ -316,6 +316,21 @@ def test_a_failure_the_job_resumed_past_is_med_and_a_users_interrupt_is_no_failu
     append_rank_rows(tmp_path / "r", 1, np.empty((0, NCOLS)), "the process raised OSError: disk", at_step=30)
     (failed,) = [f for f in findings_of(tmp_path / "r") if f.code == "RUN.FAILED"]
     assert failed.severity is Severity.MED and "resumed past it" in failed.detail
+    # One finding per launch: launch 0 failed after step 30 and launch 1 after step 28 (resumed from 20),
+    # which ended the run. Only launch 0's is past.
+    write_run(tmp_path / "l", steps=28)
+    w = RunWriter(tmp_path / "l", {"world_size": 2})
+    w.event("segment", index=1, started_s=2000.0, resumed_from_step=20, world_size=2)
+    w.append_rows(rows_for(steps=8, first=21, segment=1))
+    w.close()
+    for segment, step in ((0, 30), (1, 28)):
+        reason = f"the process raised RuntimeError: launch {segment}"
+        append_rank_rows(tmp_path / "l", 0, np.empty((0, NCOLS)), reason, step, segment)
+    found = {f.title: f.severity for f in findings_of(tmp_path / "l") if f.code == "RUN.FAILED"}
+    assert found == {
+        "rank 0 failed after step 30: RuntimeError: launch 0": Severity.MED,
+        "rank 0 failed after step 28: RuntimeError: launch 1": Severity.HIGH,
+    }
     write_run(tmp_path / "c", steps=30)
     append_rank_rows(tmp_path / "c", 0, np.empty((0, NCOLS)), "the fit raised KeyboardInterrupt", at_step=30)
     assert "RUN.FAILED" not in {f.code for f in findings_of(tmp_path / "c")}

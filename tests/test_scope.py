@@ -88,6 +88,21 @@ def test_steps_trained_after_a_sigterm_are_written_too_under_the_sigterm(tmp_pat
     assert (tmp_path / "ranks" / "rank0.jsonl").read_text().count("\n") == 2
 
 
+def test_an_exception_after_a_hang_that_cleared_is_the_reason_the_rows_end(tmp_path):
+    # on_hang="report": the rank's rows were written under "hang", training went on, then the rank raised.
+    scope, model, opt = watched_linear(tmp_path, interval=50)
+    for i in range(20):
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        if i == 9:
+            scope.session.own_rows.flush("hang")
+    scope.stop("the process raised RuntimeError: boom")
+    run = load_run(tmp_path)
+    assert dict(run.context.rank_notes)[0] == "the process raised RuntimeError: boom"
+    assert [f.reason for f in run.context.failures] == ["the process raised RuntimeError: boom"]
+
+
 def test_single_process_run_records_every_step_and_reports(tmp_path):
     scope, model, loader = train(tmp_path, epochs=3)
     summary = scope.finish()

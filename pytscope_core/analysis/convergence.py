@@ -382,6 +382,11 @@ class NonfiniteTail:
     ranks: tuple[int, ...]  # the ranks whose loss never became finite again; () where not known
 
 
+NONFINITE_TAIL_MIN = 3
+"""Non-finite steps at the end of a run before its loss reads as having stayed non-finite: one NaN on the last
+step, after finite ones, is a transient that the run ended on, not where it was going."""
+
+
 def nonfinite_tail(nonfinite: np.ndarray, loss: np.ndarray) -> tuple[int, int] | None:
     """(index of its first step, how many of its steps are non-finite) of the run's non-finite tail: the
     steps after the last one whose loss was finite (`loss`, the mean over ranks of finite losses, finite, and
@@ -439,7 +444,7 @@ def convergence(
     step, ranks = seen if seen is not None else first_nonfinite(arrays, bad)
     tail = None
     at = nonfinite_tail(nonfinite, per_step) if step is not None else None
-    if at is not None:
+    if at is not None and at[1] >= NONFINITE_TAIL_MIN:
         tail_step = int(steps[at[0]])
         tail = NonfiniteTail(tail_step, at[1], never_finite_again(arrays, bad, tail_step))
         # What the loss did before it stayed non-finite is the course to judge: after it, the finite losses of

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable
 
 import numpy as np
 
-from ..context import RAISED
+from ..context import RAISED, RankFailure
 from ..findings import Finding, Severity, format_ranks, severity_at
 from .distributed import CountDivergence
 from .run import RunAnalysis
@@ -565,11 +565,13 @@ def failed(a: RunAnalysis) -> list[Finding]:
     where the job was resumed past it (the restart's cost is in the goodput)."""
     out, seen = [], set()
     for first in a.ctx.failures:
-        launch = first.resumed_past  # one finding per launch: its failures went on past, or none did
+        # One finding per launch (a run from before launches were written: whether the job went on past).
+        launch = _launch_of(first)
         if launch in seen:
             continue
         seen.add(launch)
-        others = [f for f in a.ctx.failures if f.resumed_past == launch and f.rank != first.rank]
+        same = [f for f in a.ctx.failures if _launch_of(f) == launch]
+        others = [f for f in same if f.rank != first.rank]
         after = "" if first.last_step is None else f" after step {first.last_step}"
         what = first.reason.split(RAISED, 1)[-1]
         detail = f"Rank {first.rank} raised {what}{after}."
@@ -580,15 +582,14 @@ def failed(a: RunAnalysis) -> list[Finding]:
                 f" Rank{'s' if len(ranks) > 1 else ''} {format_ranks(ranks)} raised after it "
                 f"({then[:60]}{'…' if len(then) > 60 else ''}), most likely because rank {first.rank} had left."
             )
+        past = first.resumed_past
         detail += (
-            " The job was resumed past it (restarts: the goodput line)."
-            if launch
-            else " The run ended there."
+            " The job was resumed past it (restarts: the goodput line)." if past else " The run ended there."
         )
         out.append(
             Finding(
                 code="RUN.FAILED",
-                severity=Severity.MED if launch else Severity.HIGH,
+                severity=Severity.MED if past else Severity.HIGH,
                 title=f"rank {first.rank} failed{after}: {what}"[:160],
                 detail=detail,
                 recommendation=(
@@ -597,10 +598,14 @@ def failed(a: RunAnalysis) -> list[Finding]:
                 ),
                 ranks=(first.rank,),
                 steps=() if first.last_step is None else (first.last_step,),
-                evidence={"failed_ranks": len({f.rank for f in a.ctx.failures if f.resumed_past == launch})},
+                evidence={"failed_ranks": len({f.rank for f in same})},
             )
         )
     return out
+
+
+def _launch_of(f: RankFailure) -> object:
+    return ("launch", f.segment) if f.segment is not None else ("went on", f.resumed_past)
 
 
 # --- data --------------------------------------------------------------------------------------------------
