@@ -581,7 +581,12 @@ def test_spikes_found_at_their_steps():
     (spike,) = a.convergence.spikes
     assert spike.step == 151 and spike.ranks == (1,)
     (found,) = [f for f in run_rules(a) if f.code == "CONVERGENCE.SPIKE"]
-    assert found.ranks == (1,) and "on rank(s) 1 only" in found.detail
+    assert (
+        found.ranks == (1,) and "on rank(s) 1 only" in found.detail and "the mean over ranks" in found.detail
+    )
+    one = analyze(make_run(600, 1, loss=loss), RunContext(world_size=1))
+    (alone,) = [f for f in run_rules(one) if f.code == "CONVERGENCE.SPIKE"]
+    assert "mean over ranks" not in alone.detail  # one rank: no mean over ranks to speak of
 
 
 def test_a_spike_early_in_a_fast_fall_is_found_and_the_fall_alone_is_not_one():

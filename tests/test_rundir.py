@@ -484,3 +484,16 @@ def test_a_reader_that_stops_reading_gets_no_traceback_and_the_verdict_holds(tmp
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=60) == (1 if "--fail-on" in argv else 0), err
     assert err == ""
+
+
+def test_a_missing_meta_a_torn_rank_file_and_an_unreadable_rank_line_are_said(tmp_path):
+    write_run(tmp_path / "r", steps=30)
+    append_rank_rows(tmp_path / "r", 1, rows_for(steps=2, first=31)[1::2], "SIGTERM")
+    with open(tmp_path / "r" / "ranks" / "rank1.f64", "ab") as f:
+        f.write(b"\0" * 12)  # killed while writing a row
+    with open(tmp_path / "r" / "ranks" / "rank1.jsonl", "a") as f:
+        f.write("{not json\n")
+    (tmp_path / "r" / "meta.json").unlink()
+    said = " | ".join(load_run(tmp_path / "r").problems)
+    assert "meta.json is missing" in said and "torn last row of ranks/rank1.f64" in said, said
+    assert "an unreadable line of ranks/rank1.jsonl skipped" in said

@@ -289,3 +289,22 @@ def test_a_hang_abort_is_said_once_per_host_not_once_per_rank():
     assert said[(4, 0)] == said[(0, 0)]  # another host's first rank: that host's own log
     assert said[(1, 1)] is None and said[(5, 1)] is None
     assert said[(3, -1)] == said[(0, 0)]  # no LOCAL_RANK from the launcher: its host may have no other line
+
+
+def test_a_hangs_abort_ends_rank_0_first_and_the_others_once_it_said_so(tmp_path, monkeypatch):
+    # A rank that ended while rank 0 still waited in a collective for it made rank 0 raise first (a lost
+    # connection), and the launcher then ended rank 0 with SIGTERM instead of the hang's exit code.
+    ended: list = []
+    monkeypatch.setattr(watchdog.os, "_exit", lambda code: ended.append((code, time.monotonic())))
+    monkeypatch.setattr(watchdog, "dump_stacks", lambda run_dir, rank: None)
+    store = DictStore()
+    others = Watchdog(StepRecorder(), store, 1, 2, tmp_path, lambda: 5.0, "abort", lambda f: None)
+    waiting = threading.Thread(target=others._on_hang, args=(True,))
+    waiting.start()
+    time.sleep(0.3)
+    assert ended == [] and store.keys["pytscope/dumped/1"] == "1"  # dumped, then waiting for rank 0
+    rank_0 = Watchdog(StepRecorder(), store, 0, 2, tmp_path, lambda: 5.0, "abort", lambda f: None)
+    rank_0._on_hang(True)
+    said = time.monotonic()
+    waiting.join(5.0)
+    assert [code for code, _ in ended] == [86, 86] and ended[1][1] >= said - 0.01
