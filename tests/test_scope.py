@@ -66,20 +66,21 @@ def watched_linear(run_dir, state=None, **options):
     return scope, model, opt
 
 
-def test_steps_trained_after_a_sigterm_are_written_too_under_the_sigterm(tmp_path):
-    # Lightning's SIGTERM handler lets the batch in flight finish, then raises: the scope's own handler has
-    # written this rank's rows by then, and the step trained after the signal must not be lost.
-    scope, model, opt = watched_linear(tmp_path, interval=50)
-
-    def step():
+def linear_steps(model, opt, n=1):
+    """`n` optimizer steps of `watched_linear`'s model on random batches of 4."""
+    for _ in range(n):
         model(torch.randn(4, 8)).sum().backward()
         opt.step()
         opt.zero_grad()
 
-    for _ in range(20):
-        step()
+
+def test_steps_trained_after_a_sigterm_are_written_too_under_the_sigterm(tmp_path):
+    # Lightning's SIGTERM handler lets the batch in flight finish, then raises: the scope's own handler has
+    # written this rank's rows by then, and the step trained after the signal must not be lost.
+    scope, model, opt = watched_linear(tmp_path, interval=50)
+    linear_steps(model, opt, 20)
     scope.session._on_sigterm()  # (what the signal runs)
-    step()
+    linear_steps(model, opt)
     scope.session._on_sigterm()  # a second signal, nothing new: nothing written again
     scope.stop("the fit raised SIGTERMException")
     run = load_run(tmp_path)
@@ -91,12 +92,9 @@ def test_steps_trained_after_a_sigterm_are_written_too_under_the_sigterm(tmp_pat
 def test_an_exception_after_a_hang_that_cleared_is_the_reason_the_rows_end(tmp_path):
     # on_hang="report": the rank's rows were written under "hang", training went on, then the rank raised.
     scope, model, opt = watched_linear(tmp_path, interval=50)
-    for i in range(20):
-        model(torch.randn(4, 8)).sum().backward()
-        opt.step()
-        opt.zero_grad()
-        if i == 9:
-            scope.session.own_rows.flush("hang")
+    linear_steps(model, opt, 10)
+    scope.session.own_rows.flush("hang")
+    linear_steps(model, opt, 10)
     scope.stop("the process raised RuntimeError: boom")
     run = load_run(tmp_path)
     assert dict(run.context.rank_notes)[0] == "the process raised RuntimeError: boom"
@@ -148,10 +146,7 @@ def test_resume_from_state_dict_continues_the_run(tmp_path):
     model = torch.nn.Linear(8, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     resumed.watch(model, opt)
-    for _ in range(20):
-        model(torch.randn(4, 8)).sum().backward()
-        opt.step()
-        opt.zero_grad()
+    linear_steps(model, opt, 20)
     resumed.finish()
     assert resumed.run_dir == tmp_path
     data = summarize(load_run(tmp_path).arrays, load_run(tmp_path).context).to_dict()
@@ -165,9 +160,7 @@ def test_a_saved_state_that_cannot_be_read_disables_the_scope_never_the_training
     model = torch.nn.Linear(8, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     scope.watch(model, opt)
-    for _ in range(3):
-        model(torch.randn(4, 8)).sum().backward()
-        opt.step()
+    linear_steps(model, opt, 3)
     scope.finish()
     assert not scope.enabled and "a saved pytscope state that cannot be read" in capsys.readouterr().err
 
@@ -217,17 +210,11 @@ def test_a_resumed_launch_diagnoses_live_with_the_runs_warm_up(tmp_path):
     # The final report leaves out meta.json's warm-up (the first launch's) from every segment; the live
     # diagnosis took the resumed launch's own option, and judged other steps than the report.
     scope, model, opt = watched_linear(tmp_path, warmup=5)
-    for _ in range(12):
-        model(torch.randn(4, 8)).sum().backward()
-        opt.step()
-        opt.zero_grad()
+    linear_steps(model, opt, 12)
     state = scope.state_dict()
     scope.finish()
     resumed, model, opt = watched_linear(tmp_path, state, warmup=2)
-    for _ in range(3):
-        model(torch.randn(4, 8)).sum().backward()
-        opt.step()
-        opt.zero_grad()
+    linear_steps(model, opt, 3)
     assert resumed.session is not None and resumed.session.live.warmup == 5
     resumed.finish()
 
