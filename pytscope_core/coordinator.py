@@ -55,10 +55,9 @@ class Coordinator:
         self.met_at_finish = False  # the final gather had every rank: a last barrier cannot wait for the dead
         self._next_gather = interval
         self.scheduled = False  # the first step boundary (or the first after a resume) has decided the key
-        self._syncs_per_step = 1
-        self.store_prefix = (
-            STORE_PREFIX  # the scope's keys in the job's store: per launch and segment (start)
-        )
+        self._syncs_per_step = 1  # as rank 0 last told every rank (`gather.syncs_per_step`)
+        # The scope's keys in the job's store: per launch and segment, from the start.
+        self.store_prefix = STORE_PREFIX
 
     # -- start ----------------------------------------------------------------------------------------
     def start(self, run_dir: Path | None, segment: int = 0) -> tuple[Path, int]:

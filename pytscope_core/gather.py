@@ -6,8 +6,7 @@ header row with its cumulative counters, then up to `capacity` rows of its windo
 receives two numbers back (`dist.broadcast`: how many rows beyond the capacity the longest window holds,
 almost always 0, and when it is not a second gather carries the tail; and the gradient syncs per optimizer
 step, by which every rank schedules its next gathers: `syncs_per_step`). Bytes per rank and interval are
-constant
-in the world size; rank 0 receives O(W). Rank 0 sees every header, so ranks that disagree on how many steps
+constant in the world size; rank 0 receives O(W). Rank 0 sees every header, so ranks that disagree on how many steps
 they took are seen (DIST.DESYNC) even though every rank met at the same collective.
 
 The group is created with gloo's lazy connections (`TORCH_GLOO_LAZY_INIT=1` around `new_group`, unless the

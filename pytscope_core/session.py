@@ -358,17 +358,16 @@ class OwnRows:
     the report covers every rank up to a hang, a SIGTERM or an exception. `flush` reads the recorder without
     changing it (the caller may be another thread, or a signal handler). A flush that an exception cut short
     (e.g. a second SIGTERM whose handler raised in the middle of it) is done again by the next caller; a later
-    one writes again only where steps were done since, under a SIGTERM's reason where that came first (the cause: Lightning
-    finishes the batch in flight after it, then raises), else under its own (a hang that cleared, then an
-    exception)."""
+    one writes again only where steps were done since, under a SIGTERM's reason where that came first (the
+    cause: Lightning finishes the batch in flight after it, then raises), else under its own (a hang that
+    cleared, then an exception)."""
 
     def __init__(self, scope: Scope, run_dir: Path, epoch_offset: float) -> None:
         self.scope = scope
         self.run_dir = run_dir
         self.epoch_offset = epoch_offset
-        self.in_flight: np.ndarray | None = (
-            None  # rows handed to a gather that has not returned (a peer hung)
-        )
+        # Rows handed to a gather that has not returned (a peer hung): a flush writes them too.
+        self.in_flight: np.ndarray | None = None
         self._flushed: tuple[str, int] | None = None  # (the reason, the steps done when written)
         self._lock = threading.Lock()  # one caller at a time (a signal may arrive during a flush)
 

@@ -112,7 +112,7 @@ def classify_hang(
     if len(beats) == world_size and all(
         b["phase"] == "paused" and float(b.get("age_s", 0.0)) < timeout_s for b in beats.values()
     ):
-        return None  # every rank in a pause it was told of (an evaluation, a checkpoint), and alive: not training
+        return None  # every rank alive, in a pause it was told of (an evaluation, a checkpoint): not training
     phases = TRAINING_COLLECTIVES if collective_only else WAITING_PHASES
     waiting = sorted(r for r, b in beats.items() if b["phase"] in phases)
     missing = sorted(r for r in range(world_size) if r not in waiting)
