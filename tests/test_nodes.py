@@ -71,8 +71,8 @@ def test_a_slow_node_is_named_as_a_host_not_as_imbalance(tmp_path):
     table = (tmp_path / "run" / "summary.txt").read_text().split("Distributed", 1)[1]
     rows = [line.split()[:2] for line in table.splitlines() if line.startswith("node-")]
     assert rows == sorted([[h, str(r)] for r, h in enumerate(hosts)], key=lambda x: (x[0], int(x[1])))
-    # The gather is one-way: every other rank sends its window and gets back one 8-byte number.
-    assert all(received == 8 for r in (1, 2, 3) for _, received in traffic(tmp_path, r))
+    # The gather is one-way: every other rank sends its window and gets back two 8-byte numbers.
+    assert all(received == 16 for r in (1, 2, 3) for _, received in traffic(tmp_path, r))
     assert {sent for r in (1, 2, 3) for sent, _ in traffic(tmp_path, r)} == {
         (1 + 25) * NCOLS * 8
     }  # header + 25 rows
