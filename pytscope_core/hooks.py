@@ -24,7 +24,7 @@ from .batches import batch_tensor, fingerprint
 from .compiled import CallWrappers, compiled_in_place, is_compiling_function, outside_compiled, uncompiled
 from .flops import FlopEstimate
 from .fsdp import FSDPCommTimer
-from .loader import batches_per_epoch, watch_loader
+from .loader import batches_per_epoch, hooks_of, watch_loader
 from .parallelism import fsdp2_units
 from .recorder import StepRecorder
 from .timeline import Mark
@@ -47,6 +47,10 @@ LOADER_UNSEEN = (
     "the loader given to watch() was not iterated before the first optimizer step (one from before "
     "accelerator.prepare()?), so steps are timed from the model's forward and the wait for data is in `other`: "
     "watch the loader the training loop iterates"
+)
+LOADER_TAKEN = (
+    "the loader given to watch() is already watched by another Scope that has not finished, so steps are "
+    "timed from the model's forward and the wait for data is in `other`: finish() the other Scope first"
 )
 
 
@@ -115,11 +119,10 @@ class TorchHooks:
         self.wrappers.wrap(model)
 
     def _check_forward(self) -> None:
-        """At the first optimizer step: a step without the watched model's training forward means the model
-        was compiled after `watch` (its wrapper steps aside inside compiled code). Compiled in place, its
-        compiled call is wrapped now (no FLOPs are counted once anything is compiled: `FlopEstimate.begin`);
-        compiled into a new module, which pytscope cannot see, that is said once. A first step the forward
-        opened: the loop iterates another loader than the watched one, and forwards open the steps from now on."""
+        """At the first optimizer step: a step without the watched model's training forward means the model was
+        compiled after `watch` (its wrapper steps aside in compiled code). Compiled in place, its compiled call
+        is wrapped now (no FLOPs are counted once anything is compiled); compiled into a new module, unseen, that
+        is said once. A first step the forward opened: the loop iterates another loader; forwards open steps."""
         self._forward_checked = True
         rec = self.recorder
         if self.loader_watched and rec.opened_at != _DATA_BEGIN:  # (the forward opened the first step)
@@ -154,6 +157,8 @@ class TorchHooks:
             self._undo.append(undo)
             self.loader_watched = True
             self.loader_batches = batches_per_epoch(loader)
+        elif hooks_of(loader) is not self:
+            self._warn(LOADER_TAKEN)
 
     def remove(self) -> None:
         self.active = False
@@ -167,9 +172,8 @@ class TorchHooks:
         if self.sharded is not None:
             self.sharded.remove()
         self.wrappers.remove()
-        for undo in self._undo:
-            undo()
-        self._undo.clear()
+        while self._undo:  # (the last change first)
+            self._undo.pop()()
 
     # -- model ----------------------------------------------------------------------------------------
     def _timed_forward(self, module: Any, forward: Callable[..., Any]) -> Callable[..., Any]:

@@ -32,6 +32,11 @@ def watch_loader(loader: Any, hooks: BatchHooks) -> Callable[[], None] | None:
     return undo
 
 
+def hooks_of(loader: Any) -> Any:
+    """The hooks a watched `loader` routes its batches through (None if it is not watched)."""
+    return getattr(loader, "__dict__", {}).get("_pytscope_hooks")
+
+
 def batches_per_epoch(loader: Any) -> int:
     """`len(loader)`, or -1 where it has none (an iterable dataset) or cannot say."""
     try:

@@ -773,6 +773,28 @@ def test_watch_after_finish_says_the_scope_has_ended_and_installs_nothing(tmp_pa
     assert "watch() after finish()" in capsys.readouterr().err and "forward" not in fresh.__dict__
 
 
+def test_a_loader_another_live_scope_watches_is_said_and_left_to_it(tmp_path, capsys):
+    # Two scopes alive on one loader: the loader routes its batches to one of them only. The second says so
+    # (steps then open at its model's forward), and finishing it leaves the first one's watch in place.
+    loader = DataLoader(TensorDataset(torch.randn(64, 8), torch.randn(64, 1)), batch_size=16)
+    model = torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    first = Scope(tmp_path / "a", console=False, hang_timeout=None).watch(model, opt, loader)
+    first.watch(loader=loader)  # the same scope again: nothing to say
+    assert "already watched" not in capsys.readouterr().err
+    second = Scope(tmp_path / "b", console=False, hang_timeout=None).watch(loader=loader)
+    assert "already watched by another Scope that has not finished" in capsys.readouterr().err
+    second.finish()
+    for xb, yb in loader:
+        torch.nn.functional.mse_loss(model(xb), yb).backward()
+        opt.step()
+        opt.zero_grad()
+    first.finish()
+    run = load_run(tmp_path / "a")
+    assert list(run.arrays.steps) == [1, 2, 3, 4] and (run.arrays.phases[:, 0, 0] > 0).all()  # data waits
+    assert type(loader) is DataLoader  # put back as it was
+
+
 def test_a_watched_loader_the_loop_never_iterates_is_said_and_the_forwards_time_the_steps(tmp_path, capsys):
     # As under Accelerate with the loader from before accelerator.prepare() watched and the prepared one
     # iterated: the watched loader opens no step, so without the fallback nothing at all was recorded.
