@@ -9,15 +9,26 @@ on the torch optimizer inside `AcceleratedOptimizer` (which steps it only when g
 only connects Accelerate's own channels: live metrics go to `accelerator.log` (whatever trackers the user
 set up), the scope's state travels with `accelerator.save_state` / `load_state` through
 `register_for_checkpointing`, and the end-of-run summary is produced by `finish()` or at interpreter exit.
+The accelerator's own collectives (`wait_for_everyone`, `reduce`, `gather`, `gather_for_metrics`) are waits
+for the other ranks, `comm`, wherever the loop calls them. A new scope on the same accelerator (a loop started
+again, as by `find_executable_batch_size` after an out-of-memory error) ends the one before it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import weakref
 from typing import Any
 
+from pytscope_core.collectives import time_methods, untime_methods
 from pytscope_core.scope import Scope
+
+COLLECTIVES = ("wait_for_everyone", "reduce", "gather", "gather_for_metrics")
+"""The accelerator's methods that wait for the other ranks (timed as `comm` on the instance, while a scope lives)."""
+
+_LIVE: weakref.WeakKeyDictionary[Any, AccelerateScope] = weakref.WeakKeyDictionary()
+"""The scope each accelerator has now: a new one ends the one before it."""
 
 
 class AccelerateScope:
@@ -35,6 +46,12 @@ class AccelerateScope:
         self.scope = Scope(run_dir, integration="accelerate", precision=_precision(accelerator), **options)
         # Only rank 0 calls the sink, and accelerator.log only writes on the main process anyway.
         self.scope.set_metrics_sink(self._log_metrics)
+        previous = _LIVE.get(accelerator)
+        if previous is not None:  # an exception left its loop and was caught: it would watch a hang
+            previous.stop("a new AccelerateScope took over its accelerator (the training loop started again)")
+            _unregister(accelerator, previous)
+        _LIVE[accelerator] = self
+        time_methods(accelerator, COLLECTIVES, self.scope.hooks, self.scope.fail)
 
     @property
     def run_dir(self) -> Any:
@@ -60,11 +77,13 @@ class AccelerateScope:
         Collective: every process calls it, before `accelerator.end_training()` destroys the process group.
         Idempotent; also runs at normal interpreter exit if forgotten.
         """
+        self._release()
         return self.scope.finish()
 
     def stop(self, reason: str) -> Any:
         """End without meeting the other processes, where you catch an error and end this one another way: this
         rank's ungathered steps go to its own file, the main process reports what the run holds. Idempotent."""
+        self._release()
         return self.scope.stop(reason)
 
     def state_dict(self) -> dict[str, Any]:
@@ -77,6 +96,20 @@ class AccelerateScope:
 
     def _log_metrics(self, metrics: dict[str, float], step: int) -> None:
         self.accelerator.log(metrics, step=step)
+
+    def _release(self) -> None:
+        """The accelerator's collectives as they were, and no longer this scope's accelerator."""
+        if _LIVE.get(self.accelerator) is self:
+            del _LIVE[self.accelerator]
+            untime_methods(self.accelerator, COLLECTIVES)
+
+
+def _unregister(accelerator: Any, scope: AccelerateScope) -> None:
+    """Take an ended scope out of `accelerator.save_state`'s objects: the new one, registered next, takes its
+    place as in a process that registers once, and a checkpoint does not carry the ended run's state."""
+    objects = getattr(accelerator, "_custom_objects", None)
+    if isinstance(objects, list):
+        objects[:] = [o for o in objects if o is not scope]
 
 
 def _precision(accelerator: Any) -> str | None:

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from .clocks import Clock, CudaEventClock
+from .collectives import collective_wait
 from .context import SCOPE_DISABLED
 from .coordinator import Coordinator
 from .findings import Finding
@@ -181,14 +182,14 @@ class Scope:
         if self.enabled:
             self.hooks.resume()
 
-    @contextlib.contextmanager
-    def paused(self) -> Iterator[None]:
+    def paused(self) -> contextlib.AbstractContextManager[None]:
         """Time inside is not charged to the step (validation, checkpoint saving)."""
-        self.pause()
-        try:
-            yield
-        finally:
-            self.resume()
+        return _between(self.pause, self.resume)
+
+    def collective(self) -> contextlib.AbstractContextManager[None]:
+        """Time inside is a wait in a collective the loop calls itself (`dist.barrier()`, a metric's all-reduce):
+        communication, not this rank's own work, so the rank the others wait for there is named."""
+        return collective_wait(self.hooks, self.fail)
 
     # -- what the user and integrations tell the scope ------------------------------------------------
     def log(self, loss: Any = None, **scalars: Any) -> None:
@@ -360,6 +361,15 @@ def raised(exc: BaseException) -> str:
     """How a rank's end by an exception reads in the run: "raised RuntimeError: the first line of its text"."""
     text = str(exc).strip().splitlines()
     return f"raised {type(exc).__name__}" + (f": {text[0][:160]}" if text else "")
+
+
+@contextlib.contextmanager
+def _between(begin: Callable[[], None], end: Callable[[], None]) -> Iterator[None]:
+    begin()
+    try:
+        yield
+    finally:
+        end()
 
 
 def _read_state(state: Any) -> tuple[dict[str, int], int, str | None]:

@@ -31,6 +31,8 @@ class Mark(enum.IntEnum):
     STEP_END = 12  # next loop top
     COMM_BEGIN = 13  # a collective's wait starts inside another phase (FSDP's all-gathers, reduce-scatters)
     COMM_END = 14  # ...and ends: the enclosing phase (forward, backward) resumes
+    LOOP_COMM_BEGIN = 15  # a wait in a collective the loop calls itself (a barrier, a metric's all-reduce)
+    LOOP_COMM_END = 16  # ...ends: as COMM_BEGIN/COMM_END, told apart only by where a hung rank waits
 
 
 DATA, FORWARD, BACKWARD, COMM, OPTIMIZER, OTHER = range(len(PHASES))
@@ -51,7 +53,10 @@ _TRANSITIONS: dict[int, tuple[int | None, int | None]] = {
     Mark.PAUSE_END: (None, EXCLUDED),
     Mark.COMM_BEGIN: (COMM, None),  # nested: the innermost open phase wins, so the wait is comm, not forward
     Mark.COMM_END: (None, COMM),
+    Mark.LOOP_COMM_BEGIN: (COMM, None),
+    Mark.LOOP_COMM_END: (None, COMM),
 }
+_NESTED_ENDS = (Mark.COMM_END, Mark.LOOP_COMM_END)
 
 
 def attribute(marks: Sequence[int], times_ms: Sequence[float]) -> tuple[list[float], float, float]:
@@ -75,7 +80,7 @@ def attribute(marks: Sequence[int], times_ms: Sequence[float]) -> tuple[list[flo
             innermost = len(stack) - 1 - stack[::-1].index(closes)
             # A nested wait's end resumes what opened during it (backward can begin in the wait for FSDP's
             # all-gather before it); any other close also ends what opened inside it.
-            del stack[innermost : innermost + 1 if mark == Mark.COMM_END else None]
+            del stack[innermost : innermost + 1 if mark in _NESTED_ENDS else None]
         if opens is not None:
             stack.append(opens)
     excluded = acc[EXCLUDED]

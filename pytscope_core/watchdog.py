@@ -57,8 +57,15 @@ PAUSE_FACTOR = 4.0  # a rank paused (validation, checkpoint) gets this many time
 DUMP_WAIT_S = 5.0  # how long the aborting ranks wait for the others' stack dumps
 END_WAIT_S = DUMP_WAIT_S + 5.0  # ...and the other ranks for rank 0's word that it ends
 
-WAITING_PHASES = ("comm", "gather", "collective")  # blocked in a collective, waiting for peers
-TRAINING_COLLECTIVES = ("comm", "collective")  # the warm-up rule's: pytscope's own gather has its own timeout
+LOOP_COLLECTIVE = "a collective of the loop's"
+WAITING_PHASES = (
+    "comm",
+    "gather",
+    "collective",
+    LOOP_COLLECTIVE,
+)  # blocked in a collective, waiting for peers
+# The warm-up rule's: pytscope's own gather has its own timeout.
+TRAINING_COLLECTIVES = ("comm", "collective", LOOP_COLLECTIVE)
 _PHASE_OF_MARK = {
     Mark.STEP_START: "data",
     Mark.DATA_BEGIN: "data",
@@ -75,6 +82,8 @@ _PHASE_OF_MARK = {
     Mark.STEP_END: "data",
     Mark.COMM_BEGIN: "collective",  # FSDP's all-gather or reduce-scatter inside forward or backward
     Mark.COMM_END: "forward or backward (between collectives)",
+    Mark.LOOP_COMM_BEGIN: LOOP_COLLECTIVE,  # a barrier, a metric's all-reduce, the framework's broadcast
+    Mark.LOOP_COMM_END: "after a collective of the loop's",
 }
 
 
@@ -123,7 +132,9 @@ def classify_hang(
         syncs = max(int(beats[r]["syncs"]) for r in waiting) + 1
         step = max(_label(beats[r]) for r in waiting)
         which = (
-            allreduce if allreduce == GATHER else f"the {_ordinal(syncs)} {allreduce.removeprefix('the ')}"
+            allreduce
+            if allreduce in (GATHER, LOOP_WAIT)
+            else f"the {_ordinal(syncs)} {allreduce.removeprefix('the ')}"
         )
         title = (
             f"rank{'s' if len(missing) > 1 else ''} {format_ranks(missing)}{_on_hosts(missing, place)} never "
@@ -156,7 +167,7 @@ def classify_hang(
         detail += (
             f". Rank{'s' if len(behind) > 1 else ''} {format_ranks(behind)} {'are' if len(behind) > 1 else 'is'} "
             "furthest behind: the others most likely wait for it in a collective pytscope does not time "
-            "(a buffer broadcast, a metric all-reduce, a barrier)"
+            "(a buffer broadcast; a barrier or a metric's all-reduce outside `scope.collective()`)"
             if behind
             else ""
         ) + "."
@@ -270,13 +281,18 @@ def _on_hosts(ranks: list[int], place: Placement) -> str:
 
 
 GATHER = "pytscope's gather of step records (between steps)"
+LOOP_WAIT = (
+    "a collective the training loop calls (a barrier, a metric's all-reduce, the framework's broadcast)"
+)
 
 
 def _waited_in(beats: dict[int, dict[str, Any]], waiting: list[int]) -> str:
-    """The collective the waiting ranks are in: DDP's gradient all-reduce, FSDP's collectives (inside
-    forward and backward, so "in backward" would be wrong), or, when every one of them is there, the scope's
-    own gather of records at a step boundary."""
+    """The collective the waiting ranks are in: one the loop calls itself (`collectives.py`), DDP's gradient
+    all-reduce, FSDP's collectives (inside forward and backward, so "in backward" would be wrong), or, when
+    every one of them is there, the scope's own gather of records at a step boundary."""
     phases = {beats[r]["phase"] for r in waiting}
+    if LOOP_COLLECTIVE in phases:
+        return LOOP_WAIT
     if "collective" in phases:
         return "the FSDP all-gather or reduce-scatter of gradient sync"
     if phases == {"gather"}:

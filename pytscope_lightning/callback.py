@@ -7,8 +7,10 @@ in their real order: the wait for a batch is what Lightning's training loop brac
 `on_train_batch_start` and ends in `on_before_backward` (backward itself is timed by the core's
 gradient-ready hooks on the module's parameters), the optimizer starts at `on_before_optimizer_step` and
 ends at the torch optimizer's post-hook. What runs between (other callbacks, the loop's bookkeeping, moving
-the batch to the device, Lightning's per-step SIGTERM broadcast under DDP) is `other`. Validation, checkpoint saving
-and epoch boundaries are paused, so they are not charged to a step. All the logic (recording, gathers,
+the batch to the device) is `other`. The strategy's collectives (`self.log(..., sync_dist=True)`'s reduce, a
+barrier) and the epoch loop's SIGTERM broadcast at the top of every batch are waits for the other ranks,
+`comm`, wherever they fall. Validation, checkpoint saving and epoch boundaries are paused, so they are not
+charged to a step. All the logic (recording, gathers,
 diagnosis, the run directory, the summary) lives in `pytscope_core.Scope`; every hook here is a few lines,
 and an exception in any of them disables the scope, never the fit.
 """
@@ -29,6 +31,7 @@ try:
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("pytscope_lightning needs Lightning: pip install 'pytscope[lightning]'") from exc
 
+from pytscope_core.collectives import restore_method, time_methods, untime_methods
 from pytscope_core.options import ScopeOptions
 from pytscope_core.scope import Scope, raised
 from pytscope_core.shards import uneven_shards_finding
@@ -131,6 +134,8 @@ class ScopeCallback(Callback):
         )
         self._fetch_timed = _time_fetches(scope, trainer, forward_after_fetch=self._fetch_in_step)
         _pause_where_hooks_come_late(scope, trainer)
+        for owner, names in _collectives(trainer):
+            time_methods(owner, names, scope.hooks, scope.fail)
         self._check_shards(scope, trainer)
 
     @_guarded
@@ -328,25 +333,23 @@ def _pause_before(scope: Scope, owner: Any, name: str) -> None:
     setattr(owner, name, paused_first)
 
 
-def _undo_pause_before(owner: Any, name: str) -> None:
-    """`owner.name` as it was before `_pause_before`, unless another tool wrapped it since (it keeps ours)."""
-    ours = owner.__dict__.get(name)
-    if not getattr(ours, "pytscope_pause", False):
-        return
-    previous = ours.__wrapped__
-    if getattr(previous, "__func__", None) is getattr(type(owner), name):
-        del owner.__dict__[name]  # the class's own method again
-    else:
-        setattr(owner, name, previous)  # a wrapper from before ours
+def _collectives(trainer: pl.Trainer) -> tuple[tuple[Any, tuple[str, ...]], ...]:
+    """Where a step waits for the other ranks besides the gradient all-reduce (`pytscope_core.collectives`):
+    the strategy's collectives (the loop's, the user's, `self.log(..., sync_dist=True)`'s reduce) and the
+    epoch loop's broadcast of a SIGTERM flag at the top of every batch under DDP."""
+    strategy = ("barrier", "broadcast", "reduce", "all_gather", "reduce_boolean_decision")
+    return ((trainer.strategy, strategy), (trainer.fit_loop.epoch_loop, ("_broadcast_sigterm_tensor",)))
 
 
 def _unhook_trainer(trainer: pl.Trainer) -> None:
     # The loop hands these to each epoch's fetcher: with the instance's own gone, the next fit profiles as
-    # usual; the trainer's own save_checkpoint and the validation loop's run are back.
+    # usual; the trainer's own save_checkpoint, the validation loop's run and the collectives are back.
     for name in ("_on_before_fetch", "_on_after_fetch"):
         trainer.fit_loop.epoch_loop.__dict__.pop(name, None)
     for owner, name in _paused_methods(trainer):
-        _undo_pause_before(owner, name)
+        restore_method(owner, name, "pytscope_pause")  # (unless another tool wrapped it since: it keeps ours)
+    for owner, names in _collectives(trainer):
+        untime_methods(owner, names)
 
 
 def _end_progress_bar(trainer: pl.Trainer) -> None:

@@ -27,6 +27,7 @@ from pytscope_core.summary import summarize
 pytest.importorskip("accelerate")
 
 EXAMPLE = str(Path(__file__).resolve().parents[1] / "examples" / "accelerate_ddp.py")
+JOB = str(Path(__file__).resolve().parent / "scripts" / "accelerate_job.py")
 ENV = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
 
 pytestmark = pytest.mark.multiproc
@@ -38,11 +39,13 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def launch(*args: str, nproc: int = 2, ok: bool = True) -> subprocess.CompletedProcess[str]:
+def launch(
+    *args: str, nproc: int = 2, ok: bool = True, script: str = EXAMPLE
+) -> subprocess.CompletedProcess[str]:
     if nproc == 1:
-        cmd = [sys.executable, EXAMPLE, *args]
+        cmd = [sys.executable, script, *args]
     else:
-        cmd = ["torchrun", "--nproc_per_node", str(nproc), "--master_port", str(free_port()), EXAMPLE, *args]
+        cmd = ["torchrun", "--nproc_per_node", str(nproc), "--master_port", str(free_port()), script, *args]
     proc = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=120)
     if ok:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
@@ -337,3 +340,40 @@ def test_an_unsharded_loader_is_named(tmp_path: Path) -> None:
     launch("--same-data", "--steps", "40", "--interval", "20", "--run-dir", str(run_dir), "--no-console")
     found = [f for f in report(run_dir)["findings"] if f["code"] == "DATA.DUPLICATE_SHARDS"]
     assert found and found[0]["ranks"] == [0, 1]
+
+
+def test_waits_in_the_loops_own_collectives_are_sync_wait_and_the_straggler_named(tmp_path: Path) -> None:
+    # The last rank works 10 ms more after each optimizer step; then the loop reduces its loss and waits for
+    # everyone: the other rank waits there, never in the gradient all-reduce. Counted as its own work, that
+    # wait made both ranks look alike and the straggler went unnamed.
+    run_dir, result = tmp_path / "run", tmp_path / "result.json"
+    launch(
+        *("--steps", "120", "--late-spin-ms", "10", "--collectives"),
+        *("--run-dir", str(run_dir), "--result", str(result)),
+        script=JOB,
+    )
+    dist = report(run_dir)["distributed"]
+    assert dist["stragglers"] == [1], dist
+    local = {r["rank"]: r["local_ms"] for r in dist["per_rank"]}
+    wait = {r["rank"]: r["sync_wait_ms"] for r in dist["per_rank"]}
+    lag = local[1] - local[0]
+    assert lag > 4.0 and wait[0] > 0.6 * lag and wait[1] < 0.2 * wait[0], dist
+    assert json.loads(result.read_text())["collectives_as_they_were"]  # finish() put them back
+
+
+def test_a_loop_started_again_after_a_caught_error_ends_the_scope_before_it(tmp_path: Path) -> None:
+    # As find_executable_batch_size after an out-of-memory error: the first attempt raises at its 5th step,
+    # the exception is caught and the loop starts again with a new AccelerateScope. The first scope used to
+    # live on: its watchdog called the second attempt's progress a hang, and its summary came last.
+    run_dir, result = tmp_path / "run", tmp_path / "result.json"
+    proc = launch(
+        *("--steps", "30", "--attempts", "2", "--hang-timeout", "2", "--step-sleep-s", "0.15"),
+        *("--run-dir", str(run_dir), "--result", str(result)),
+        script=JOB,
+    )
+    assert "DIST.HANG" not in proc.stdout + proc.stderr
+    assert json.loads(result.read_text()) == {"steps": 30, "registered": 1, "collectives_as_they_were": True}
+    first = load_run(run_dir)
+    assert all("a new AccelerateScope took over" in why for _, why in first.context.rank_notes), first.context
+    assert load_run(Path(f"{run_dir}-2")).arrays.n_steps == 30
+    assert proc.stdout.rstrip().endswith(f"run directory: {run_dir}-2  (pytscope report {run_dir}-2)")

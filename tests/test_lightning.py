@@ -141,6 +141,28 @@ def test_ddp_straggler_is_the_only_one_named_and_its_wait_is_not_communication(t
     assert (rows[:, COL["grad_syncs"]] == 1).all()
 
 
+def test_waits_in_lightnings_own_collectives_are_sync_wait_and_the_straggler_named(tmp_path: Path) -> None:
+    # The last rank works 6 ms more in training_step, before a `self.log(..., sync_dist=True)`, and 6 ms more
+    # after each batch, after the gradient all-reduce: the other rank waits in the metric's all-reduce and in
+    # the epoch loop's SIGTERM broadcast at the next batch, never in the gradient all-reduce. Counted as its
+    # own work (forward and `other`), those waits made both ranks look alike and the straggler went unnamed.
+    run_dir, result = tmp_path / "run", tmp_path / "result.json"
+    _run(
+        JOB,
+        *("--devices", 2, "--strategy", "ddp", "--steps", 150, "--sync-dist"),
+        *("--spin-ms", 6, "--late-spin-ms", 6, "--run-dir", run_dir, "--result", result),
+        cwd=tmp_path,
+    )
+    summary = _summary(run_dir)
+    dist = summary["distributed"]
+    assert dist["stragglers"] == [1], dist
+    local = {r["rank"]: r["local_ms"] for r in dist["per_rank"]}
+    wait = {r["rank"]: r["sync_wait_ms"] for r in dist["per_rank"]}
+    lag = local[1] - local[0]
+    assert lag > 5.0 and wait[0] > 0.6 * lag and wait[1] < 0.2 * wait[0], dist  # 12 ms injected
+    assert json.loads(result.read_text())["trainer_as_it_was"]  # the strategy's own methods are back
+
+
 def test_healthy_ddp_fit_has_no_high_or_med_finding(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     # Compute-dominated steps of 50 ms by the wall clock on both ranks, as in test_ddp's healthy run: with a

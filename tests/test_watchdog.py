@@ -92,6 +92,18 @@ def _beat(phase: str, step: int = 2) -> dict:
     return {"step": step, "phase": phase, "idle_s": 400.0, "syncs": step}
 
 
+def test_ranks_left_waiting_in_a_collective_of_the_loops_own_name_the_rank_that_never_came():
+    # Rank 1 waits in a barrier or a metric's all-reduce the integration times; rank 0 is still in its own
+    # code after the optimizer step. Untimed, both read "after the optimizer step": a MED "no progress".
+    f = classify_hang({0: _beat("after the optimizer step"), 1: _beat(watchdog.LOOP_COLLECTIVE)}, 2, 300.0)
+    assert f is not None and f.severity.name == "HIGH" and f.ranks == (0,)
+    assert f.title == f"rank 0 never reached {watchdog.LOOP_WAIT}", f.title
+    assert "waiting in a collective the training loop calls" in f.detail and "backward for" not in f.detail
+    beats = {0: _beat("forward"), 1: _beat(watchdog.LOOP_COLLECTIVE)}
+    warm_up = classify_hang(beats, 2, 300.0, collective_only=True)  # the warm-up rule takes it too
+    assert warm_up is not None and warm_up.ranks == (0,)
+
+
 def test_during_warm_up_only_ranks_left_waiting_in_a_collective_are_a_hang():
     # Every rank compiling its first forward, or starting its loaders: slow, never a hang.
     for phase in ("forward", "data", "optimizer"):

@@ -67,11 +67,17 @@ class Job(pl.LightningModule):
                 else RuntimeError("injected error")
             )
         loss = F.cross_entropy(self.net(x), y)
+        if self.args.sync_dist:
+            self.log("synced_loss", loss, sync_dist=True)  # an all-reduce inside the step's forward
         if self.args.inf_from and self.global_step >= self.args.inf_from:
             loss = loss * float("inf")  # what TensorBoard shows at this global_step
         if self.args.manual:
             return self._manual_step(loss, x, y)
         return {"loss": loss} if self.args.dict_output else loss
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        if self.args.late_spin_ms and self.global_rank == self.trainer.world_size - 1:
+            spin(self.args.late_spin_ms)  # after the gradient all-reduce: the others wait at the next batch
 
     def _manual_step(self, loss: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         # Two optimizers, each with a forward and backward of its own over the batch, as a GAN's generator
@@ -214,6 +220,8 @@ def main() -> None:
     p.add_argument("--result", default=None)
     p.add_argument("--break-scope", action="store_true")
     p.add_argument("--callback-ms", type=float, default=0.0, help="a later callback's work after each batch")
+    p.add_argument("--late-spin-ms", type=float, default=0.0, help="the last rank's work after each batch")
+    p.add_argument("--sync-dist", action="store_true", help="training_step logs its loss with sync_dist=True")
     p.add_argument("--raise-at", type=int, default=0, help="training_step raises at this global step")
     p.add_argument("--interrupt", action="store_true", help="--raise-at raises KeyboardInterrupt")
     p.add_argument("--inf-from", type=int, default=0, help="the loss is infinite from this global step on")
@@ -322,7 +330,9 @@ def main() -> None:
             global_step=trainer.global_step,
             world_size=trainer.world_size,
             trainer_as_it_was="save_checkpoint" not in trainer.__dict__  # the scope's wrappers are gone
-            and "run" not in trainer.fit_loop.epoch_loop.val_loop.__dict__,
+            and "run" not in trainer.fit_loop.epoch_loop.val_loop.__dict__
+            and not {"reduce", "barrier"} & set(trainer.strategy.__dict__)
+            and "_broadcast_sigterm_tensor" not in trainer.fit_loop.epoch_loop.__dict__,
         )
         with open(args.result, "w") as f:
             json.dump(result, f)
