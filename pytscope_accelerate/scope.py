@@ -19,9 +19,11 @@ from __future__ import annotations
 import contextlib
 import os
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 from pytscope_core.collectives import time_methods, untime_methods
+from pytscope_core.parallelism import unwatched_models
 from pytscope_core.scope import Scope
 
 COLLECTIVES = ("wait_for_everyone", "reduce", "gather", "gather_for_metrics")
@@ -36,7 +38,7 @@ class AccelerateScope:
 
     Create it after `accelerator.prepare(...)` (the process group must exist), on every process. Keyword
     options are those of `pytscope_core.ScopeOptions`, as for `Scope` and `ScopeCallback`. Step N is the N-th
-    optimizer step (1-based), as in plain loops.
+    optimizer step (1-based), as in plain loops (several optimizers stepping on one batch: one step).
     """
 
     def __init__(
@@ -51,6 +53,7 @@ class AccelerateScope:
             previous.stop("a new AccelerateScope took over its accelerator (the training loop started again)")
             _unregister(accelerator, previous)
         _LIVE[accelerator] = self
+        self._models: list[Any] = []  # the models given to watch()
         time_methods(accelerator, COLLECTIVES, self.scope.hooks, self.scope.fail)
 
     @property
@@ -59,8 +62,13 @@ class AccelerateScope:
 
     def watch(self, model: Any = None, optimizer: Any = None, loader: Any = None) -> AccelerateScope:
         """Hook the prepared model, optimizer and (optionally) data loader. Call again with `loader=` for a
-        loader made later, e.g. by `accelerator.skip_first_batches` after `load_state`."""
+        loader made later, e.g. by `accelerator.skip_first_batches` after `load_state`, and with each other
+        model `prepare` returned that trains."""
         self.scope.watch(model, optimizer, loader)
+        if model is not None:
+            if not self._models:  # checked at the first training forward, when every watch() is done
+                self.scope.hooks.first_forward = _then(self.scope.hooks.first_forward, self._check_models)
+            self._models.append(model)
         return self
 
     def log(self, **scalars: Any) -> None:
@@ -94,6 +102,16 @@ class AccelerateScope:
         """Continue the checkpointed run as a new segment; steps replayed after the checkpoint are not recounted."""
         self.scope.load_state_dict(state)
 
+    def _check_models(self) -> None:
+        missed = unwatched_models(getattr(self.accelerator, "_models", ()), self._models)
+        if missed and self.accelerator.num_processes > 1:
+            names = ", ".join(type(m).__name__ for m in missed)
+            self.scope.note(
+                f"accelerator.prepare() returned {len(missed)} more model(s) that train than watch() was given "
+                f"({names}): their forward is timed as `other` and their gradient all-reduce as `backward`, so "
+                "a rank slower there may not be named: watch each model (scope.watch(model))"
+            )
+
     def _log_metrics(self, metrics: dict[str, float], step: int) -> None:
         self.accelerator.log(metrics, step=step)
 
@@ -102,6 +120,15 @@ class AccelerateScope:
         if _LIVE.get(self.accelerator) is self:
             del _LIVE[self.accelerator]
             untime_methods(self.accelerator, COLLECTIVES)
+
+
+def _then(first: Callable[[], None] | None, then: Callable[[], None]) -> Callable[[], None]:
+    def both() -> None:
+        if first is not None:
+            first()
+        then()
+
+    return both
 
 
 def _unregister(accelerator: Any, scope: AccelerateScope) -> None:

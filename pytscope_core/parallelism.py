@@ -10,6 +10,7 @@ frameworks: DeepSpeed's engine is matched by class name.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,6 +72,20 @@ def detect(model: Any, world_size: int) -> Parallelism:
     if name == NONE:
         return Parallelism(NONE, world_size <= 1)
     return Parallelism(name, name in (DDP, FSDP2))
+
+
+def unwatched_models(prepared: Iterable[Any], watched: Iterable[Any]) -> list[Any]:
+    """The models of `prepared` (a framework's list of the models it set up) that train (a parameter requires
+    grad) and that no model of `watched` is or wraps (DDP's `module`, inside torch.compile's wrapper)."""
+    covered: set[int] = set()
+    for model in watched:
+        inner = uncompiled(model)
+        covered.update((id(model), id(inner), id(getattr(inner, "module", None))))
+    return [
+        m
+        for m in prepared
+        if id(m) not in covered and any(p.requires_grad for p in getattr(m, "parameters", lambda: ())())
+    ]
 
 
 def current_world_size() -> int:

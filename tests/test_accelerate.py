@@ -377,3 +377,34 @@ def test_a_loop_started_again_after_a_caught_error_ends_the_scope_before_it(tmp_
     assert all("a new AccelerateScope took over" in why for _, why in first.context.rank_notes), first.context
     assert load_run(Path(f"{run_dir}-2")).arrays.n_steps == 30
     assert proc.stdout.rstrip().endswith(f"run directory: {run_dir}-2  (pytscope report {run_dir}-2)")
+
+
+def test_a_prepared_model_that_trains_unwatched_is_said_at_the_first_forward(tmp_path: Path) -> None:
+    # Two models prepared (an encoder and a head, both DDP on several processes), only the encoder watched:
+    # the head's gradient all-reduce would be timed as backward, silently. In process, with an accelerator
+    # that says it has two processes.
+    import torch
+
+    from pytscope_accelerate import AccelerateScope
+    from pytscope_core.parallelism import unwatched_models
+
+    class TwoProcesses:
+        num_processes, mixed_precision = 2, "no"
+
+        def __init__(self, *models: torch.nn.Module) -> None:
+            self._models = list(models)
+
+    encoder, head, frozen = torch.nn.Linear(4, 4), torch.nn.Linear(4, 1), torch.nn.Linear(4, 4)
+    frozen.requires_grad_(False)
+    ddp_like = torch.nn.Module()
+    ddp_like.module = encoder  # what the encoder's DDP wrapper holds
+    assert unwatched_models([encoder, head, frozen], [ddp_like]) == [head]
+    for watched, said in (([encoder], True), ([encoder, head], False)):
+        scope = AccelerateScope(TwoProcesses(encoder, head, frozen), tmp_path / str(said), console=False)
+        for model in watched:
+            scope.watch(model)
+        assert scope.scope.notes == []  # not before the first forward: watch() may still come
+        head(encoder(torch.randn(2, 4))).sum().backward()
+        notes = " ".join(scope.scope.notes)
+        assert ("returned 1 more model(s) that train than watch() was given (Linear)" in notes) == said, notes
+        scope.finish()
