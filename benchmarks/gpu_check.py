@@ -7,13 +7,20 @@ numpy, rich and lightning must be there):
 
 (through this project's device tool: `--out $OUT/gpu_check.json --work $OUT/gpu_check_work`, timeout_s 420.)
 Expected runtime on one H200: about 2.5-3 minutes, at most 5 (`--budget-s`, default 290: no check starts after
-it, and the ones left say so); the JSON is rewritten after every check, so a run cut short keeps what finished.
-`--work` keeps every run directory and worker log, in a new subfolder per run (a temporary folder otherwise),
-so a check that failed can be read afterwards with `pytscope report`; a check still running after
-`--stacks-after-s` (400) has this process's thread stacks printed and the process ended, so a hang in it shows
-where (a worker process's hang is ended by its own time limit, its log kept). Rerun some checks with
-`--checks torch,nccl` (names below). Anywhere, as a smoke test (without CUDA the CUDA-only checks say
-skipped and why; about 20 s on 2 CPU cores):
+it, and the ones left say so). The JSON is first written before torch is imported (the environment alone),
+then whenever a check starts (naming it as `running`) and ends, so a run cut short keeps what finished and says
+what was running. `--work` keeps every run directory and worker log, in a new subfolder per run (a temporary
+folder otherwise), so a check that failed can be read afterwards with `pytscope report`; at the end that
+subfolder is also packed into one archive beside the JSON (`gpu_check.json` -> `gpu_check.work.tar.gz`, at most
+8 MiB, large files left out and listed), the copy to take away from a machine that returns only a few files near
+the top of a folder. A failed worker's last 60 log lines are in its check's numbers too.
+
+Every check (and the setup and the step-size calibration before them) runs under a time limit of its own
+(`CHECK_LIMIT_S`), cut to what is left of `--stacks-after-s` (400): at the limit the check is written as failed
+("timed out after N s") and `timed_out` names it, the worker processes it started are killed (their log tails
+kept), every thread's stack is printed to stderr, the archive is written and the process exits with code 3.
+Rerun some checks with `--checks torch,nccl` (names below). Anywhere, as a smoke test (without CUDA the
+CUDA-only checks say skipped and why; about 20 s on 2 CPU cores):
 
     python benchmarks/gpu_check.py --quick --out /tmp/gpu_check.json
 
@@ -21,7 +28,7 @@ Written before pytscope's CUDA path (phase marks as CUDA events resolved once pe
 peak memory, the device peak-FLOPs table, graph-done autograd callbacks next to NCCL's asynchronous
 all-reduce) had ever run on a GPU. Each check is a function returning a `Check` record (name, status
 pass/fail/skipped, numbers, the criteria it applied, a reason); the table and the JSON are made from those
-records only. The exit code is 1 when a check that ran failed, else 0.
+records only. The exit code is 1 when a check that ran failed, 3 when one ran out of time, else 0.
 
 Checks (name: what it measures):
 
@@ -38,18 +45,24 @@ Checks (name: what it measures):
   (its peak from the table for the precision Accelerate names); meta.json says the integration.
 * `overhead_small`, `overhead_large` -- steps of about 5 and 50 ms on a GPU (1 and 4-10 ms on CPU):
   interleaved blocks with and without pytscope (ABBA...), ratio of median step times per pair, median
-  over pairs (and of mean step times, which carry the gathers). Every step is synchronized on CUDA, so
-  pytscope's host cost is not hidden behind queued kernels: a conservative number. `flops_per_step=` is
-  given, so pytscope's one-off FLOP count on a warm-up step is not charged as per-step overhead.
+  over pairs (and of mean step times, which carry the gathers). Every step ends with a device sync (the
+  loop's own timing needs it), so the GPU is idle from that sync to the next step's first kernel: pytscope's
+  work at the step boundary (its loop-top mark, the memory reading, a gather) adds to the step in full, while
+  its hooks inside the step run as kernels are queued and are hidden behind them when the step is GPU-bound,
+  as in any loop. The `nccl` check measures steps with no sync. `flops_per_step=` is given, so pytscope's
+  one-off FLOP count on a warm-up step is not charged as per-step overhead.
 * `ddp_gpu_delay`, `ddp_host_delay` -- two processes sharing the one GPU, DDP over gloo with CUDA tensors
   (NCCL refuses two ranks on one device); rank 1 slowed by extra matmuls (GPU-side, invisible to host
   timestamps: only CUDA events see it) or by busy-waiting (host-side). Rank 1 must be `DIST.STRAGGLER`,
-  rank 0's wait billed as sync wait, the transfer estimate small; pytscope's own FLOP estimate (no
+  rank 0's wait billed as sync wait (against the delay rank 1 measured: CUDA events around the extra matmuls
+  in every step, or the busy-wait's length), the transfer estimate small; pytscope's own FLOP estimate (no
   `flops_per_step=` here) against a count on the bare model. Without CUDA the host-side variant runs on
   CPU tensors.
 * `nccl` -- a 1-rank NCCL process group with DDP: step time with and without pytscope over unsynchronized
-  blocks (a sync or serialization added by the graph-done callbacks or CUDA events would show here), and
-  pytscope's median step against the blocks' own timing.
+  blocks (a sync or serialization added by the graph-done callbacks or CUDA events would show here; each
+  scope is started before its block's clock, and the blocks' means less the scope's gathers are reported
+  too), and pytscope's median step against the blocks' own timing. The worker runs with `NCCL_DEBUG=WARN`, so
+  NCCL's own reason for a failure is in the log tail.
 """
 
 from __future__ import annotations
@@ -58,6 +71,7 @@ import argparse
 import contextlib
 import dataclasses
 import faulthandler
+import io
 import json
 import logging
 import math
@@ -66,14 +80,16 @@ import platform
 import statistics
 import subprocess
 import sys
+import tarfile
 import tempfile
+import threading
 import time
 import traceback
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -107,6 +123,36 @@ PEER_GRACE_S = 20.0
 """After one rank of a 2-process job dies, its peer blocks in a collective: kill it after this long."""
 NOMINAL_PEAK_FLOPS = 1e12
 """Passed as `peak_flops=` where the device is not in pytscope's table (CPU): only checks MFU is computed."""
+CHECK_LIMIT_S: dict[str, float] = {
+    "setup": 120.0,
+    "calibration": 90.0,
+    "torch": 90.0,
+    "lightning": 90.0,
+    "accelerate": 90.0,
+    "overhead_small": 90.0,
+    "overhead_large": 120.0,
+    "ddp_gpu_delay": 180.0,
+    "ddp_host_delay": 180.0,
+    "nccl": 180.0,
+}
+"""Each check's own time limit: several times what it takes when it works (the setup: a first CUDA call on a
+fresh machine is not timed yet), and for the two-process checks room for their workers' own limit (150 s) and
+the reading of the results after it. A check missing here gets DEFAULT_CHECK_LIMIT_S."""
+DEFAULT_CHECK_LIMIT_S = 120.0
+PROCESS_MARGIN_S = 10.0
+"""Worker processes end this long before their check's time limit, so the check itself reports them."""
+BACKSTOP_S = 10.0
+"""After --stacks-after-s the check's timer should have ended the process; faulthandler ends it this long later
+in case the timer thread cannot run (a call that never releases the GIL)."""
+TIMEOUT_EXIT = 3
+"""The exit code of a run that a check's time limit ended (1: a check failed)."""
+LOG_TAIL_LINES = 60
+"""Lines of a failed worker's log kept in its check's numbers: a Python traceback and NCCL's warnings fit."""
+ARCHIVE_LIMIT_BYTES = 8 * 2**20
+"""The work folder's archive holds at most this much (tar blocks, before compression): half of the 16 MiB a
+file may be to come back from the device machine."""
+ARCHIVE_FILE_LIMIT_BYTES = 2 * 2**20
+"""Larger files are left out of the archive (and listed): logs, JSON and step arrays are far smaller."""
 LR = 0.01  # SGD with momentum 0.9 on the teacher-labelled MLP: the loss falls without diverging
 WARMUP = 5  # pytscope's default warm-up: its statistics leave out these steps, so the loop's do too
 
@@ -161,6 +207,7 @@ class Ctx:
     tmp: Path
     bf16: bool  # CUDA runs under bf16 autocast
     deadline: float  # time.monotonic() after which no check starts
+    check_deadline: float = math.inf  # time.monotonic() at which the running check's time limit ends it
     no_cuda: str = ""  # why the CUDA-only checks are skipped
     sizes: dict[str, Size] = field(default_factory=dict)
     sizes_error: str = ""  # why calibration failed: the checks that need a size fail with it
@@ -495,13 +542,23 @@ def single_process_criteria(
             f"{'bf16 autocast: bf16 peak ' + format(want, '.4g') if ctx.bf16 else 'fp32'}",
         )
     if ok and ctx.cuda:
-        # Above 100% the step time is too short (events not measuring execution) or the peak is too low
-        # for the precision the step ran at (bf16 autocast here).
-        c.expect("MFU <= 100%", mfu <= 1.0, f"{100 * mfu:.1f}% with {peak_text}, bf16 autocast")
+        mfu_ceiling(c, mfu, used_peak, peaks, peak_text)
     c.headline = (
         f"step {scope_median:.3f} vs loop {loop_median:.3f} ms ({100 * diff:+.2f}%); phases sum to wall within "
         f"{100 * worst:.3f}%; peak {fmt_bytes(peak)}; MFU {f'{100 * mfu:.1f}%' if ok else 'n/a'}"
     )
+
+
+def mfu_ceiling(
+    c: Check, mfu: float, used_peak: float | None, peaks: dict[str, float | None], peak_text: str
+) -> None:
+    """MFU above 100% means the step time is too short (events not measuring execution) or the peak too low for
+    the precision the step ran at; only a peak from pytscope's table says so. A nominal peak (a GPU not in the
+    table) bounds nothing: the MFU is then noted, not judged."""
+    if used_peak is not None and used_peak in {v for v in peaks.values() if v is not None}:
+        c.expect("MFU <= 100%", mfu <= 1.0, f"{100 * mfu:.1f}% with {peak_text}")
+    else:
+        c.note(f"MFU {100 * mfu:.1f}% against {peak_text}: a nominal peak, not judged against 100%")
 
 
 def check_torch(ctx: Ctx) -> Check:
@@ -813,6 +870,35 @@ class ProcResult:
                 parts.append(f"[process {i}, exit {code}] " + (" | ".join(lines) or "(no output)"))
         return ("timed out, killed: " if self.timed_out else "") + " ".join(parts)
 
+    def tails(self, lines: int = LOG_TAIL_LINES) -> dict[str, list[str]]:
+        """The last `lines` lines of the log of each process that did not exit 0."""
+        return {
+            f"process{i}": log_tail(log, lines)
+            for i, (code, log) in enumerate(zip(self.codes, self.logs, strict=True))
+            if code != 0
+        }
+
+
+def log_tail(text: str, lines: int = LOG_TAIL_LINES) -> list[str]:
+    return text.rstrip().splitlines()[-lines:]
+
+
+LIVE_PROCESSES: dict[subprocess.Popen[bytes], Path] = {}
+"""Worker processes running now, with their logs: a check's time limit kills them before the run ends."""
+
+
+def stop_processes() -> dict[str, list[str]]:
+    """Kill the worker processes still running and return their logs' tails (called at a time limit)."""
+    tails: dict[str, list[str]] = {}
+    for proc, log in list(LIVE_PROCESSES.items()):
+        with contextlib.suppress(OSError):
+            proc.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=5)
+        with contextlib.suppress(OSError):
+            tails[f"{log.parent.parent.name}/{log.name}"] = log_tail(log.read_text(errors="replace"))
+    return tails
+
 
 def run_processes(
     commands: list[list[str]], env: dict[str, str], timeout_s: float, log_dir: Path
@@ -825,6 +911,7 @@ def run_processes(
         f = open(log_dir / f"process{i}.log", "w")
         files.append(f)
         procs.append(subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env))
+        LIVE_PROCESSES[procs[-1]] = log_dir / f"process{i}.log"
     deadline = time.monotonic() + timeout_s
     failed_at: float | None = None
     timed_out = False
@@ -842,8 +929,39 @@ def run_processes(
     for p, f in zip(procs, files, strict=True):
         p.wait()
         f.close()
+        LIVE_PROCESSES.pop(p, None)
     logs = [(log_dir / f"process{i}.log").read_text(errors="replace") for i in range(len(procs))]
     return ProcResult([p.returncode for p in procs], timed_out, logs)
+
+
+def process_timeout(ctx: Ctx) -> float:
+    """How long a check's worker processes may run: their own limit, the run's budget plus a minute (a check
+    that started in time may finish), and never past the check's own time limit."""
+    now = time.monotonic()
+    return min(
+        ctx.steps(150, 90),
+        max(30.0, ctx.deadline - now + 60),
+        max(1.0, ctx.check_deadline - now - PROCESS_MARGIN_S),
+    )
+
+
+def rank_results(c: Check, what: str, res: ProcResult, paths: list[Path]) -> list[dict[str, Any]] | None:
+    """Each rank's result file, or None (and `what` failed) when one is missing or unreadable. A process that
+    wrote its result and then did not exit 0 (torch.distributed's teardown has aborted after a finished run)
+    is a note: its numbers stand. The log tails of processes that did not exit 0 are kept either way."""
+    if not res.ok:
+        c.numbers["log_tail"] = res.tails()
+    results: list[dict[str, Any]] = []
+    for path in paths:
+        try:
+            results.append(json.loads(path.read_text()))
+        except (OSError, ValueError) as exc:
+            c.expect(what, False, res.error() if not res.ok else f"exit 0 but {path.name} unreadable: {exc}")
+            return None
+    c.expect(what, True, "exit 0" if res.ok else "results written")
+    if not res.ok:
+        c.note(f"after writing their results: {res.error()[:400]}")
+    return results
 
 
 def worker_command(kind: str, rank: int, world: int, port: int, spec_path: Path) -> list[str]:
@@ -899,21 +1017,24 @@ def check_ddp(ctx: Ctx, delay: str) -> Check:
     spec_path = out / "spec.json"
     spec_path.write_text(json.dumps(spec))
     port = free_port()
-    timeout = min(ctx.steps(150, 90), max(30.0, ctx.deadline - time.monotonic() + 60))
     res = run_processes(
         [worker_command("ddp", r, 2, port, spec_path) for r in range(2)],
         child_env(ctx, port),
-        timeout,
+        process_timeout(ctx),
         out / "logs",
     )
     c.numbers.update(size=dataclasses.asdict(size), steps=spec["steps"], port=port)
-    if not c.expect("both ranks finished", res.ok, res.error() if not res.ok else "exit 0"):
+    ranks = rank_results(c, "both ranks finished", res, [out / f"rank{r}.json" for r in range(2)])
+    if ranks is None:
         return c
-    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     injected = float(ranks[1].get("delay_ms", delay_ms))
     c.numbers["injected_delay_ms"] = injected
     if gpu:
-        c.numbers["matmuls_per_step"] = ranks[1].get("matmuls")
+        c.numbers.update(
+            matmuls_per_step=ranks[1].get("matmuls"),
+            delay_calibrated_ms=ranks[1].get("delay_calibrated_ms"),
+            delay_measured_ms=ranks[1].get("delay_measured_ms"),
+        )
     run, s = report_of(out / "run")
     errors = [e for r in ranks for e in r.get("errors", [])] + list(s["scope"]["errors"])
     c.expect("no scope errors", not errors, "; ".join(dict.fromkeys(errors)) or "none")
@@ -962,7 +1083,7 @@ def check_ddp(ctx: Ctx, delay: str) -> Check:
     transfer = d["transfer_ms"] if d["transfer_ms"] is not None else math.inf
     c.headline = (
         f"stragglers {d['stragglers']}; local work {local[0]:.2f} / {local[1]:.2f} ms; rank 0 sync wait "
-        f"{wait0:.2f} ms for {injected:.1f} ms injected; transfer {transfer:.2f} ms"
+        f"{wait0:.2f} ms for {injected:.1f} ms injected{' (measured)' if gpu else ''}; transfer {transfer:.2f} ms"
     )
     c.expect(
         "transfer estimate small",
@@ -995,19 +1116,28 @@ def check_nccl(ctx: Ctx) -> Check:
     spec_path = out / "spec.json"
     spec_path.write_text(json.dumps(spec))
     port = free_port()
-    timeout = min(ctx.steps(150, 90), max(30.0, ctx.deadline - time.monotonic() + 60))
+    env = child_env(ctx, port)
+    env.setdefault("NCCL_DEBUG", "WARN")  # NCCL's own reason for a failure, in the log tail
     res = run_processes(
-        [worker_command("nccl", 0, 1, port, spec_path)], child_env(ctx, port), timeout, out / "logs"
+        [worker_command("nccl", 0, 1, port, spec_path)], env, process_timeout(ctx), out / "logs"
     )
     c.numbers.update(size=dataclasses.asdict(size), steps_per_block=spec["steps"], pairs=spec["pairs"])
-    if not c.expect("the NCCL process finished", res.ok, res.error() if not res.ok else "exit 0"):
+    results = rank_results(c, "the NCCL process finished", res, [out / "rank0.json"])
+    if results is None:
         return c
-    r = json.loads((out / "rank0.json").read_text())
-    c.numbers.update({k: r[k] for k in ("nccl_version", "block_mean_ms", "pytscope")})
+    r = results[0]
+    c.numbers.update({k: r[k] for k in ("nccl_version", "block_mean_ms", "gather_ms_per_block", "pytscope")})
     c.expect("no scope errors", not r["errors"], "; ".join(r["errors"]) or "none")
     ratios = [b / a for a, b in r["pairs_mean_ms"]]
     pct = 100 * (statistics.median(ratios) - 1)
-    c.numbers.update(overhead_pct=pct, overhead_pct_per_pair=[100 * (x - 1) for x in ratios])
+    blocks = r["block_mean_ms"]
+    # Informational: what is left once the gathers (every `interval` steps, counted in the mean) are taken out.
+    less = [b / a for a, b in zip(blocks["without"], blocks["with_less_gathers"], strict=True)]
+    c.numbers.update(
+        overhead_pct=pct,
+        overhead_pct_per_pair=[100 * (x - 1) for x in ratios],
+        overhead_pct_less_gathers=100 * (statistics.median(less) - 1),
+    )
     limit = OVERHEAD_SMOKE_LIMIT if ctx.quick else NCCL_OVERHEAD_BUDGET
     c.expect("overhead", pct <= 100 * limit, f"{pct:+.2f}% (limit {100 * limit:.0f}%)")
     p = r["pytscope"]
@@ -1056,9 +1186,11 @@ def worker_ddp(rank: int, world: int, port: int, spec: dict[str, Any]) -> None:
             info["flops_per_step"] = count_flops(model, xs[0], ys[0], device, bf16)
         slow = rank == world - 1
         delay: Callable[[], None] | None = None
+        measured: Callable[[], list[float]] | None = None
         if slow and spec["delay"] == "gpu":
-            # Before DDP's constructor (a collective): rank 0 waits there, so the GPU is rank 1's alone.
-            delay, info["matmuls"], info["delay_ms"] = _gpu_delay(spec["delay_ms"])
+            # Calibrated before DDP's constructor (a collective) while rank 0 may still be setting up on the
+            # same GPU: the length it ran for in each step is measured as well, and that is what is reported.
+            delay, info["matmuls"], info["delay_calibrated_ms"], measured = _gpu_delay(spec["delay_ms"])
         elif slow:
             delay, info["delay_ms"] = (lambda: spin(spec["delay_ms"])), spec["delay_ms"]
         ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[0] if device == "cuda" else None)
@@ -1067,14 +1199,22 @@ def worker_ddp(rank: int, world: int, port: int, spec: dict[str, Any]) -> None:
         scope.watch(ddp, opt, loader)
         run_steps(ddp, opt, loader, device, bf16, scope, sync_each=False, before_forward=delay)
         scope.finish()
+        if measured is not None:
+            # The delay as it ran, next to rank 0's steps on the same GPU, not as calibrated before them.
+            times = measured()
+            steady = times[WARMUP:] or times
+            info["delay_ms"] = statistics.median(steady)
+            info["delay_measured_ms"] = {"min": min(steady), "median": info["delay_ms"], "max": max(steady)}
         info["errors"] = list(getattr(scope, "errors", []))
         (out / f"rank{rank}.json").write_text(json.dumps(info))
     finally:
         dist.destroy_process_group()
 
 
-def _gpu_delay(target_ms: float) -> tuple[Callable[[], None], int, float]:
-    """Extra GPU work of about `target_ms` queued without blocking the host: square fp32 matmuls."""
+def _gpu_delay(target_ms: float) -> tuple[Callable[[], None], int, float, Callable[[], list[float]]]:
+    """Extra GPU work of about `target_ms` queued without blocking the host: square fp32 matmuls. Returns the
+    delay, its matmul count, its calibrated length in ms, and a reader of its length in each step as CUDA
+    events around it measured (all of them complete once the loop's last sync has returned)."""
     import torch
 
     a = torch.randn(2048, 2048, device="cuda")
@@ -1089,12 +1229,22 @@ def _gpu_delay(target_ms: float) -> tuple[Callable[[], None], int, float]:
     end.synchronize()
     per = start.elapsed_time(end) / 20
     n = max(1, round(target_ms / per))
+    stamps: list[tuple[Any, Any]] = []
 
     def delay() -> None:
+        first, last = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        first.record()
         for _ in range(n):
             torch.mm(a, a, out=buf)
+        last.record()
+        stamps.append((first, last))
 
-    return delay, n, n * per
+    def measured() -> list[float]:
+        if stamps:
+            stamps[-1][1].synchronize()
+        return [first.elapsed_time(last) for first, last in stamps]
+
+    return delay, n, n * per, measured
 
 
 def worker_nccl(rank: int, world: int, port: int, spec: dict[str, Any]) -> None:
@@ -1118,11 +1268,13 @@ def worker_nccl(rank: int, world: int, port: int, spec: dict[str, Any]) -> None:
         run_steps(ddp, opt, Batches(xs, ys, 20), "cuda", bf16, sync_each=False)  # NCCL and allocator warm-up
         # pytscope's own one-offs (its imports, the first gather and diagnosis) outside the timed blocks.
         warm = Batches(xs, ys, 2 * spec["interval"])
-        scope = Scope(out / "warm-up", interval=spec["interval"], console=False, flops_per_step=flops)
-        scope.watch(ddp, opt, warm)
-        run_steps(ddp, opt, warm, "cuda", bf16, scope, sync_each=False)
-        scope.finish()
+        warm_scope = Scope(out / "warm-up", interval=spec["interval"], console=False, flops_per_step=flops)
+        warm_scope.watch(ddp, opt, warm)
+        run_steps(ddp, opt, warm, "cuda", bf16, warm_scope, sync_each=False)
+        warm_scope.finish()
         pairs: list[tuple[float, float]] = []
+        less_gathers: list[float] = []  # the block's mean step less the scope's gathers in it
+        gathers: list[float] = []  # ms of gathers in each block
         errors: list[str] = []
         last_run: Path | None = None
         for i in range(spec["pairs"]):
@@ -1134,11 +1286,16 @@ def worker_nccl(rank: int, world: int, port: int, spec: dict[str, Any]) -> None:
                     last_run = out / f"run{i}"
                     scope = Scope(last_run, interval=spec["interval"], console=False, flops_per_step=flops)
                     scope.watch(ddp, opt, loader)
+                    scope.start()  # its run directory, threads and own group, before the block's clock starts
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
                 run_steps(ddp, opt, loader, "cuda", bf16, scope, sync_each=False)  # ends with one sync
-                mean[with_scope] = (time.perf_counter() - t0) * 1e3 / steps
+                elapsed_ms = (time.perf_counter() - t0) * 1e3
+                mean[with_scope] = elapsed_ms / steps
                 if scope is not None and last_run is not None:
+                    # Read before finish(): its final gather comes after the block.
+                    gathers.append(sum(scope.gather_ms))
+                    less_gathers.append((elapsed_ms - gathers[-1]) / steps)
                     scope.finish()
                     errors += scope_errors(scope, last_run)
             pairs.append((mean[False], mean[True]))
@@ -1147,7 +1304,12 @@ def worker_nccl(rank: int, world: int, port: int, spec: dict[str, Any]) -> None:
         info = {
             "nccl_version": _nccl_version(),
             "pairs_mean_ms": pairs,
-            "block_mean_ms": {"without": [a for a, _ in pairs], "with": [b for _, b in pairs]},
+            "block_mean_ms": {
+                "without": [a for a, _ in pairs],
+                "with": [b for _, b in pairs],
+                "with_less_gathers": less_gathers,
+            },
+            "gather_ms_per_block": gathers,
             "errors": errors,
             "pytscope": {
                 "median_ms": s["timing"]["median_ms"],
@@ -1175,6 +1337,22 @@ def _nccl_version() -> str:
 
 
 WORKERS: dict[str, Callable[[int, int, int, dict[str, Any]], None]] = {"ddp": worker_ddp, "nccl": worker_nccl}
+
+
+def run_worker(args: argparse.Namespace) -> NoReturn:
+    """A worker process from start to end: its exit code is the worker's own outcome. Output is flushed and
+    the process ends at once, without the interpreter's shutdown, where torch.distributed's teardown has
+    aborted a gloo job that had finished."""
+    code = 0
+    try:
+        WORKERS[args.worker](args.rank, args.world, args.port, json.loads(Path(args.spec).read_text()))
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+        sys.stderr.flush()
+    os._exit(code)
 
 
 # -- driver -----------------------------------------------------------------------------------------------
@@ -1255,7 +1433,183 @@ def plain(x: Any) -> Any:
         return None
     if isinstance(x, (np.floating, np.integer)):
         return plain(x.item())
+    if isinstance(x, np.ndarray):
+        return plain(x.tolist())
     return x
+
+
+def write_json(path: Path, data: Any) -> str:
+    """Write `data` as JSON through a temporary file beside it, so a reader never sees half a file; values JSON
+    cannot hold are written as their `str()`, non-finite floats as null. Returns why it failed, or "": the run
+    goes on either way."""
+    try:
+        text = json.dumps(plain(data), indent=1, allow_nan=False, default=str)
+        partial = path.with_name(path.name + ".partial")
+        partial.write_text(text)
+        os.replace(partial, path)
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return ""
+
+
+def archive_path(out: Path) -> Path:
+    """Where the work folder's archive goes: beside the JSON, `gpu_check.json` -> `gpu_check.work.tar.gz`."""
+    return out.with_name(f"{out.stem}.work.tar.gz")
+
+
+def pack(
+    folder: Path, dest: Path, limit: int = ARCHIVE_LIMIT_BYTES, file_limit: int = ARCHIVE_FILE_LIMIT_BYTES
+) -> dict[str, Any]:
+    """`folder` as one .tar.gz at `dest`, at most `limit` bytes of tar blocks (so the compressed file is
+    smaller). Logs and JSON go in first, then the other files smallest first; files over `file_limit`, and those
+    that would pass `limit`, are left out and listed. Each file is read whole before it goes in, so one that a
+    killed worker left half-written cannot break the archive."""
+
+    def size(f: Path) -> int:
+        try:
+            return f.stat().st_size
+        except OSError:  # gone since it was listed
+            return -1
+
+    order = {".log": 0, ".json": 1}
+    sized = [(f, size(f)) for f in folder.rglob("*") if f.is_file() and not f.is_symlink() and f != dest]
+    sized.sort(key=lambda fs: (order.get(fs[0].suffix, 2), fs[1], str(fs[0])))
+    used, added, skipped = 2 * 512, 0, []  # the archive's two closing blocks
+    partial = dest.with_name(dest.name + ".partial")
+    with tarfile.open(partial, "w:gz") as tar:
+        for f, n in sized:
+            name = f.relative_to(folder).as_posix()
+            try:
+                data = f.read_bytes() if 0 <= n <= file_limit else None
+            except OSError as exc:
+                skipped.append(f"{name} ({type(exc).__name__})")
+                continue
+            cost = 512 + -(-len(data) // 512) * 512 if data is not None else 0
+            if data is None or used + cost > limit:
+                skipped.append(f"{name} ({n} bytes)")
+                continue
+            info = tarfile.TarInfo(f"{folder.name}/{name}")
+            info.size, info.mtime = len(data), int(time.time())
+            tar.addfile(info, io.BytesIO(data))
+            used, added = used + cost, added + 1
+    os.replace(partial, dest)
+    return {
+        "path": str(dest),
+        "bytes": dest.stat().st_size,
+        "files": added,
+        "skipped": skipped[:50],
+        "skipped_count": len(skipped),
+    }
+
+
+class Progress:
+    """The JSON file of results, kept current, and the running check's time limit.
+
+    The JSON is rewritten as each check starts (naming it as `running`) and ends. A check runs under a timer
+    of its own: when the timer fires first, the timer thread writes the check as failed, kills the worker
+    processes still running (keeping their logs' tails), prints every thread's stack to stderr, packs the work
+    folder and ends the process with TIMEOUT_EXIT, as the check that hung cannot be interrupted from Python.
+    """
+
+    def __init__(self, out: Path, t_start: float, hard_deadline: float) -> None:
+        self.out = out
+        self.t_start, self.hard_deadline = t_start, hard_deadline
+        self.env: dict[str, Any] = {}
+        self.checks: list[Check] = []
+        self.work: Path | None = None  # the folder packed beside the JSON
+        self.archive: dict[str, Any] | None = None
+        self.running = ""  # the check (or "setup", "calibration") under way
+        self.timed_out = ""
+        self._since = 0.0
+        self._timer: threading.Timer | None = None
+        self._state = threading.Lock()  # between the main thread and a timer that fires as its check ends
+        self._writing = threading.Lock()
+
+    def write(self, done: bool = False) -> dict[str, Any]:
+        result = {
+            "environment": self.env,
+            "seconds": time.monotonic() - self.t_start,
+            "complete": done,
+            "running": self.running,
+            "timed_out": self.timed_out,
+            "failed": [c.name for c in self.checks if c.status == "fail"],
+            # Shallow: dataclasses.asdict deep-copies, which a value that cannot be copied would end here.
+            "checks": [{f.name: getattr(c, f.name) for f in dataclasses.fields(c)} for c in self.checks],
+            "archive": self.archive,
+        }
+        # Bounded: a timer that fires during the main thread's write must still get its own written.
+        locked = self._writing.acquire(timeout=10)
+        try:
+            error = write_json(self.out, result)
+            if error:
+                print(f"writing {self.out} failed: {error}", file=sys.stderr, flush=True)
+                brief = {k: result[k] for k in ("seconds", "complete", "running", "timed_out", "failed")}
+                write_json(self.out, {**brief, "write_error": error})
+        finally:
+            if locked:
+                self._writing.release()
+        return result
+
+    def begin(self, name: str, limit_s: float, ctx: Ctx | None = None) -> None:
+        """Arm `name`'s timer (its limit, or what is left before the run's hard deadline) and say it runs."""
+        now = time.monotonic()
+        seconds = max(0.0, min(limit_s, self.hard_deadline - now))
+        timer = threading.Timer(seconds, self._expired, args=(name, seconds))
+        timer.daemon = True
+        with self._state:
+            self.running, self._since, self._timer = name, now, timer
+        if ctx is not None:
+            ctx.check_deadline = now + seconds
+        timer.start()
+        self.write()
+
+    def end(self, check: Check | None = None) -> None:
+        """The running check ended in time: disarm its timer, record it (setup and calibration record none)."""
+        with self._state:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+            self.running = ""
+            if check is not None:
+                self.checks.append(check)
+        self.write()
+
+    def pack(self) -> None:
+        if self.work is None:
+            return
+        try:
+            self.archive = pack(self.work, archive_path(self.out))
+        except Exception as exc:
+            self.archive = {"error": f"{type(exc).__name__}: {exc}"}
+            print(f"packing {self.work} failed: {self.archive['error']}", file=sys.stderr, flush=True)
+
+    def _expired(self, name: str, seconds: float) -> None:
+        # The lock is held until the process ends: the main thread, should its check return now, waits.
+        self._state.acquire()
+        if self.running != name:  # it ended as the timer fired
+            self._state.release()
+            return
+        c = Check(
+            name, "", status="fail", reason=f"timed out after {seconds:.0f} s (thread stacks on stderr)"
+        )
+        c.seconds = time.monotonic() - self._since
+        tails = stop_processes()
+        if tails:
+            c.numbers["log_tail"] = tails
+        self.checks.append(c)
+        self.running, self.timed_out = "", name
+        self.write()
+        print(
+            f"\n{name}: timed out after {seconds:.0f} s; every thread's stack:", file=sys.stderr, flush=True
+        )
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        self.pack()
+        self.write()
+        print(f"results: {self.out} (ended: {name} timed out)", flush=True)
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(TIMEOUT_EXIT)
 
 
 def environment(ctx: Ctx) -> dict[str, Any]:
@@ -1307,7 +1661,8 @@ def main(argv: list[str] | None = None) -> int:
         "--stacks-after-s",
         type=float,
         default=400.0,
-        help="print this process's thread stacks and exit 1 if still running after this (a hang shows where)",
+        help="no check runs past this: the one running is written as timed out, every thread's stack printed, "
+        f"and the process exits {TIMEOUT_EXIT} (a hang shows where)",
     )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
@@ -1316,22 +1671,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--spec", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        WORKERS[args.worker](args.rank, args.world, args.port, json.loads(Path(args.spec).read_text()))
-        return 0
+        run_worker(args)
 
     wanted = [n.strip() for n in args.checks.split(",") if n.strip()]
     unknown = [n for n in wanted if n not in CHECKS]
     if unknown:
         parser.error(f"unknown checks {unknown}; choose from {', '.join(CHECKS)}")
     t_start = time.monotonic()
-    faulthandler.dump_traceback_later(args.stacks_after_s, exit=True)
+    progress = Progress(Path(args.out), t_start, t_start + args.stacks_after_s)
+    progress.env = {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "argv": sys.argv if argv is None else argv,
+        "checks": wanted,
+    }
+    progress.write()  # before anything that can hang or fail: importing torch, the first CUDA call
+    faulthandler.dump_traceback_later(args.stacks_after_s + BACKSTOP_S, exit=True)
     warnings.filterwarnings("ignore")
-    import torch
-
-    cuda = torch.cuda.is_available() and not args.cpu
-    if not cuda:
-        torch.set_num_threads(1)  # as the overhead benchmark: steadier timing on shared cores
-    budget = args.budget_s if args.budget_s is not None else (150.0 if args.quick else 290.0)
     workdir: contextlib.AbstractContextManager[str]
     if args.work:  # a subfolder of this run's own: a rerun must not read an earlier run's directories
         Path(args.work).mkdir(parents=True, exist_ok=True)
@@ -1341,56 +1698,67 @@ def main(argv: list[str] | None = None) -> int:
     else:
         workdir = tempfile.TemporaryDirectory(prefix="pytscope-gpu-check-")
     with workdir as tmp:
-        ctx = Ctx(
-            device="cuda" if cuda else "cpu",
-            device_name=torch.cuda.get_device_name(0) if cuda else "cpu",
-            quick=args.quick,
-            tmp=Path(tmp),
-            bf16=cuda and torch.cuda.is_bf16_supported(),
-            deadline=t_start + budget,
-            no_cuda="" if cuda else ("--cpu given" if args.cpu else "torch.cuda.is_available() is False"),
-        )
-        print(
-            f"pytscope GPU check on {ctx.device_name} ({ctx.device}), torch {torch.__version__}", flush=True
-        )
-        needs = {SIZES_NEEDED[n] for n in wanted if n in SIZES_NEEDED} | (
-            {"large"} if "overhead_large" in wanted else set()
-        )
+        progress.work = Path(tmp)
         try:
-            make_sizes(ctx, needs)
-        except Exception as exc:
-            ctx.sizes_error = f"calibrating the step sizes raised {type(exc).__name__}: {exc}"
-            print(ctx.sizes_error, flush=True)
-        for s in ctx.sizes.values():
-            print(f"  size {s.name}: batch {s.batch}, MLP {s.in_dim}-{s.width}x{s.depth}-{s.out_dim}, "
-                  f"{s.measured_ms:.2f} ms/step (target {s.target_ms:g})", flush=True)  # fmt: skip
-        env = environment(ctx)
-        checks: list[Check] = []
-
-        def write(done: bool) -> dict[str, Any]:
-            result = {
-                "environment": env,
-                "seconds": time.monotonic() - t_start,
-                "complete": done,
-                "failed": [c.name for c in checks if c.status == "fail"],
-                "checks": [dataclasses.asdict(c) for c in checks],
-            }
-            Path(args.out).write_text(json.dumps(plain(result), indent=1, allow_nan=False))
-            return result
-
-        write(done=False)  # the environment and the sizes, even if the first check never ends
-        for name in wanted:
-            print(f"  {name} ...", end=" ", flush=True)
-            c = run_check(name, ctx)
-            checks.append(c)
-            why = f": {c.reason[:300]}" if c.status == "fail" else ""  # the output's tail alone says why
-            print(f"{c.status} ({c.seconds:.1f} s){why}", flush=True)
-            write(done=False)
-        result = write(done=True)
+            ctx = setup(args, progress, Path(tmp), t_start)
+            for name in wanted:
+                print(f"  {name} ...", end=" ", flush=True)
+                progress.begin(name, CHECK_LIMIT_S.get(name, DEFAULT_CHECK_LIMIT_S), ctx)
+                c = run_check(name, ctx)
+                progress.end(c)
+                why = f": {c.reason[:300]}" if c.status == "fail" else ""  # the output's tail alone says why
+                print(f"{c.status} ({c.seconds:.1f} s){why}", flush=True)
+        finally:  # an error of this script's own too: the JSON says what was running, the archive is there
+            progress.pack()
+            progress.write(done=not progress.running)
     faulthandler.cancel_dump_traceback_later()
-    render(checks, f"{ctx.device_name}{', quick' if ctx.quick else ''}, {result['seconds']:.0f} s")
-    print(f"results: {args.out}")
-    return 1 if result["failed"] else 0
+    checks = progress.checks
+    render(checks, f"{ctx.device_name}{', quick' if ctx.quick else ''}, {time.monotonic() - t_start:.0f} s")
+    print(f"results: {args.out}; work folder packed into {archive_path(Path(args.out))}")
+    return 1 if any(c.status == "fail" for c in checks) else 0
+
+
+def setup(args: argparse.Namespace, progress: Progress, tmp: Path, t_start: float) -> Ctx:
+    """The device, the environment (written to the JSON) and the step sizes, each under a time limit."""
+    progress.begin("setup", CHECK_LIMIT_S["setup"])
+    import torch
+
+    cuda = torch.cuda.is_available() and not args.cpu
+    if not cuda:
+        torch.set_num_threads(1)  # as the overhead benchmark: steadier timing on shared cores
+    budget = args.budget_s if args.budget_s is not None else (150.0 if args.quick else 290.0)
+    ctx = Ctx(
+        device="cuda" if cuda else "cpu",
+        device_name=torch.cuda.get_device_name(0) if cuda else "cpu",
+        quick=args.quick,
+        tmp=tmp,
+        bf16=cuda and torch.cuda.is_bf16_supported(),
+        deadline=t_start + budget,
+        no_cuda="" if cuda else ("--cpu given" if args.cpu else "torch.cuda.is_available() is False"),
+    )
+    try:
+        progress.env.update(environment(ctx))
+    except Exception as exc:  # informational: the checks say what they need
+        progress.env["environment_error"] = f"{type(exc).__name__}: {exc}"
+    progress.end()
+    print(f"pytscope GPU check on {ctx.device_name} ({ctx.device}), torch {torch.__version__}", flush=True)
+
+    wanted = progress.env["checks"]
+    needs = {SIZES_NEEDED[n] for n in wanted if n in SIZES_NEEDED} | (
+        {"large"} if "overhead_large" in wanted else set()
+    )
+    progress.begin("calibration", CHECK_LIMIT_S["calibration"], ctx)
+    try:
+        make_sizes(ctx, needs)
+    except Exception as exc:
+        ctx.sizes_error = f"calibrating the step sizes raised {type(exc).__name__}: {exc}"
+        print(ctx.sizes_error, flush=True)
+    for s in ctx.sizes.values():
+        print(f"  size {s.name}: batch {s.batch}, MLP {s.in_dim}-{s.width}x{s.depth}-{s.out_dim}, "
+              f"{s.measured_ms:.2f} ms/step (target {s.target_ms:g})", flush=True)  # fmt: skip
+    progress.env["sizes"] = {k: dataclasses.asdict(v) for k, v in ctx.sizes.items()}
+    progress.end()
+    return ctx
 
 
 if __name__ == "__main__":

@@ -35,6 +35,8 @@ class CudaEventClock:
     """Marks recorded as CUDA events on the current stream of the model's device, so GPU phases are
     execution, not launch, times, on the GPU that runs the model (not whichever device is current).
 
+    The device is resolved once, to its index; the stream is read at every mark, as the current stream is
+    whatever the training code has selected at that moment (`torch.cuda.stream(...)` may change it).
     Events are recycled from a pool once released (each event stamps one mark only: recording it again
     would move that mark). `to_ms` waits for the newest event (one synchronize) and measures every stamp
     against the first one of the batch.
@@ -43,19 +45,25 @@ class CudaEventClock:
     def __init__(self, device: Any = None) -> None:
         import torch
 
-        self._torch = torch
         self.device = cuda_device(device)
+        self._index: int = self.device.index  # an int: torch's device lookups take it as is
+        self._event = torch.cuda.Event
+        self._current_stream = torch.cuda.current_stream
+        self._stats = torch.cuda.memory_stats_as_nested_dict
         self._pool: list[Any] = []
 
     def now(self) -> Any:
-        ev = self._pool.pop() if self._pool else self._torch.cuda.Event(enable_timing=True)
-        ev.record(self._torch.cuda.current_stream(self.device))
+        ev = self._pool.pop() if self._pool else self._event(enable_timing=True)
+        ev.record(self._current_stream(self._index))
         return ev
 
     def peak_memory(self) -> float:
-        """The allocator's high-water mark on this device. Never reset here: the user's own
-        `torch.cuda.max_memory_allocated()` readings stay true, and like the host's peak RSS it only grows."""
-        return float(self._torch.cuda.max_memory_allocated(self.device))
+        """The allocator's high-water mark on this device, as `torch.cuda.max_memory_allocated` gives it,
+        taken from the allocator's statistics without flattening and sorting them all into one dict first.
+        Never reset here: the user's own `torch.cuda.max_memory_allocated()` readings stay true, and like the
+        host's peak RSS it only grows."""
+        stats = self._stats(self._index)  # {} before CUDA is initialised: nothing allocated yet
+        return float(stats.get("allocated_bytes", {}).get("all", {}).get("peak", 0))
 
     def to_ms(self, stamps: Sequence[Any]) -> list[float]:
         if not stamps:

@@ -19,6 +19,7 @@ class FakeEvent:
     """What the clock uses of `torch.cuda.Event`, timed on the host."""
 
     recorded_on: list[str] = []
+    selected_stream = ""  # the stream the training code has made current; "" for the default one
 
     def __init__(self, enable_timing: bool) -> None:
         assert enable_timing
@@ -35,20 +36,33 @@ class FakeEvent:
         return (other.t - self.t) * 1e3
 
 
+def as_device(device) -> torch.device:
+    """What torch's CUDA calls accept as a device: an index, a name or a `torch.device`."""
+    return torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+
+
 @pytest.fixture
 def two_gpus(monkeypatch):
     """Device 0 is current; the model lives on device 1, which has its own allocator peak."""
     FakeEvent.recorded_on = []
+    FakeEvent.selected_stream = ""
     peaks = {0: 1e9, 1: 3e9}
 
     def never(*_, **__):
         raise AssertionError("pytscope reset the allocator's peak: the user's max_memory_allocated() is lost")
 
+    def current_stream(device=None):
+        return f"{FakeEvent.selected_stream or 'stream'} of {as_device(device)}"
+
+    def memory_stats_as_nested_dict(device=None):
+        # Only what the clock reads; torch.cuda.max_memory_allocated flattens the whole of it.
+        return {"allocated_bytes": {"all": {"peak": peaks[as_device(device).index], "current": 0}}}
+
     cuda = torch.cuda
     monkeypatch.setattr(cuda, "Event", FakeEvent)
     monkeypatch.setattr(cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(cuda, "current_stream", lambda device=None: f"stream of {device}")
-    monkeypatch.setattr(cuda, "max_memory_allocated", lambda device=None: peaks[torch.device(device).index])
+    monkeypatch.setattr(cuda, "current_stream", current_stream)
+    monkeypatch.setattr(cuda, "memory_stats_as_nested_dict", memory_stats_as_nested_dict)
     monkeypatch.setattr(cuda, "reset_peak_memory_stats", never)
     monkeypatch.setattr(
         cuda,
@@ -77,6 +91,32 @@ def test_the_models_device_is_timed_and_measured_not_the_current_one(tmp_path, t
     mem = load_run(tmp_path).arrays.mem_bytes[:, 0]
     assert set(mem.tolist()) == {3e9, 5e9} and mem[-1] == 5e9  # read every 8th step, never device 0's 1e9
     assert summary.memory.peak_bytes == 5e9 and summary.scope_errors == ()
+
+
+def test_marks_go_on_the_stream_current_when_they_are_made(two_gpus):
+    """The training code may switch streams (`with torch.cuda.stream(s):`): each mark is recorded on the
+    device's current stream of that moment, not on one looked up once."""
+    from pytscope_core.clocks import CudaEventClock
+
+    clock = CudaEventClock("cuda:1")
+    clock.now()
+    FakeEvent.selected_stream = "side stream"
+    clock.now()
+    FakeEvent.selected_stream = ""
+    clock.now()
+    assert FakeEvent.recorded_on == ["stream of cuda:1", "side stream of cuda:1", "stream of cuda:1"]
+
+
+def test_peak_memory_is_the_allocators_peak_on_the_clocks_device(two_gpus, monkeypatch):
+    from pytscope_core.clocks import CudaEventClock
+
+    clock = CudaEventClock("cuda:1")
+    assert clock.peak_memory() == 3e9
+    two_gpus[1] = 4e9
+    assert clock.peak_memory() == 4e9
+    # Before CUDA is initialised torch gives no statistics: nothing has been allocated yet.
+    monkeypatch.setattr(torch.cuda, "memory_stats_as_nested_dict", lambda device=None: {})
+    assert CudaEventClock("cuda:1").peak_memory() == 0.0
 
 
 def test_a_bare_cuda_device_means_the_current_one(two_gpus):
