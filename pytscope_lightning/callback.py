@@ -1,18 +1,18 @@
 """`ScopeCallback`: Lightning's training-loop events translated into pytscope core calls.
 
 Lightning runs `training_step` and backward inside the torch optimizer's `step(closure)`, so the optimizer's
-pre-hook would fire before the forward; the callback therefore marks the phases from Lightning's own hooks
-in their real order: the wait for a batch is what Lightning's training loop brackets for its profiler
+pre-hook would fire before the forward; the callback therefore marks the phases from Lightning's own hooks in
+their real order: the wait for a batch is what Lightning's training loop brackets for its profiler
 (`_on_before_fetch` / `_on_after_fetch`, around the fetch itself) and is the loop top, the forward starts at
-`on_train_batch_start` and ends in `on_before_backward` (backward itself is timed by the core's
-gradient-ready hooks on the module's parameters), the optimizer starts at `on_before_optimizer_step` and
-ends at the torch optimizer's post-hook. What runs between (other callbacks, the loop's bookkeeping, moving
-the batch to the device) is `other`. The strategy's collectives (`self.log(..., sync_dist=True)`'s reduce, a
-barrier) and the epoch loop's SIGTERM broadcast at the top of every batch are waits for the other ranks,
-`comm`, wherever they fall. Validation, checkpoint saving and epoch boundaries are paused, so they are not
-charged to a step. All the logic (recording, gathers,
-diagnosis, the run directory, the summary) lives in `pytscope_core.Scope`; every hook here is a few lines,
-and an exception in any of them disables the scope, never the fit.
+`on_train_batch_start` and ends in `on_before_backward` (backward itself is timed by the core's gradient-ready
+hooks on the module's parameters), the optimizer starts where the closure ends (after
+`on_before_optimizer_step` and gradient clipping) and ends at the torch optimizer's post-hook. What runs
+between (other callbacks, the loop's bookkeeping, moving the batch to the device) is `other`. The strategy's
+collectives (`self.log(..., sync_dist=True)`'s reduce, a barrier) and the epoch loop's SIGTERM broadcast at
+the top of every batch are waits for the other ranks, `comm`, wherever they fall. Validation, checkpoint
+saving and epoch boundaries are paused, so they are not charged to a step. All the logic (recording, gathers,
+diagnosis, the run directory, the summary) lives in `pytscope_core.Scope`; every hook here is a few lines, and
+an exception in any of them disables the scope, never the fit.
 """
 
 from __future__ import annotations
@@ -75,6 +75,7 @@ class ScopeCallback(Callback):
         self._fits = 0
         self._precision: str | None = None  # the trainer's training precision, from setup()
         self._fetch_timed = False  # the wait for data is bracketed by the training loop's fetch hooks
+        self._optimizer_after_clipping = False  # the optimizer is marked after Lightning's gradient clipping
         self._fetch_in_step = False  # `training_step(self, dataloader_iter)` fetches its own batches
 
     # -- pickling (ddp_spawn) and checkpoints -------------------------------------------------------------
@@ -134,6 +135,7 @@ class ScopeCallback(Callback):
         )
         self._fetch_timed = _time_fetches(scope, trainer, forward_after_fetch=self._fetch_in_step)
         _pause_where_hooks_come_late(scope, trainer)
+        self._optimizer_after_clipping = _mark_optimizer_after_clipping(scope, trainer)
         for owner, names in _collectives(trainer):
             time_methods(owner, names, scope.hooks, scope.fail)
         self._check_shards(scope, trainer)
@@ -188,7 +190,10 @@ class ScopeCallback(Callback):
     def on_before_optimizer_step(
         self, scope: Scope, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
     ) -> None:
-        scope.hooks.optimizer_begin()
+        if (
+            not self._optimizer_after_clipping
+        ):  # (a Lightning without the precision plugin's `_after_closure`)
+            scope.hooks.optimizer_begin()
 
     @_guarded
     def on_train_batch_end(
@@ -333,6 +338,29 @@ def _pause_before(scope: Scope, owner: Any, name: str) -> None:
     setattr(owner, name, paused_first)
 
 
+def _mark_optimizer_after_clipping(scope: Scope, trainer: pl.Trainer) -> bool:
+    """Begin the optimizer phase where the closure ends, after `on_before_optimizer_step` and the gradient
+    clipping Lightning runs after it (the precision plugin's `_after_closure`, wrapped on this instance; undone
+    at train end), so that clipping is `other`, as in a plain loop. False on a Lightning without it."""
+    plugin = trainer.strategy.precision_plugin
+    after_closure = getattr(plugin, "_after_closure", None)
+    if not callable(after_closure):
+        return False
+
+    @functools.wraps(after_closure)
+    def then_optimizer(*args: Any, **kwargs: Any) -> Any:
+        result = after_closure(*args, **kwargs)
+        try:
+            scope.hooks.optimizer_begin()
+        except Exception as exc:
+            scope.fail(exc)
+        return result
+
+    then_optimizer.pytscope_optimizer = True  # type: ignore[attr-defined]
+    plugin._after_closure = then_optimizer
+    return True
+
+
 def _collectives(trainer: pl.Trainer) -> tuple[tuple[Any, tuple[str, ...]], ...]:
     """Where a step waits for the other ranks besides the gradient all-reduce (`pytscope_core.collectives`):
     the strategy's collectives (the loop's, the user's, `self.log(..., sync_dist=True)`'s reduce) and the
@@ -350,6 +378,7 @@ def _unhook_trainer(trainer: pl.Trainer) -> None:
         restore_method(owner, name, "pytscope_pause")  # (unless another tool wrapped it since: it keeps ours)
     for owner, names in _collectives(trainer):
         untime_methods(owner, names)
+    restore_method(trainer.strategy.precision_plugin, "_after_closure", "pytscope_optimizer")
 
 
 def _end_progress_bar(trainer: pl.Trainer) -> None:

@@ -964,6 +964,24 @@ def test_low_mfu_only_when_known():
     assert "EFFICIENCY.LOW_MFU" in codes(diagnose(arrays, ctx, strict=True))
 
 
+def test_steps_of_more_micro_batches_are_not_jitter():
+    # An accumulation schedule (1 micro-batch per step, then 4, then 2), each micro-batch the same 3 ms: a
+    # step of 4 is 4x one of 1, not an unstable step; a stall in a step of 4 still is one.
+    micro = np.repeat([1.0, 4.0, 2.0], 100)
+    ph = np.zeros((300, 2, 6))
+    ph[:, :, 1] = 3.0 * micro[:, None]
+    ph[:, :, 4] = 0.2
+    arrays = RunArrays.from_arrays(ph, micro_batches=np.broadcast_to(micro[:, None], (300, 2)))
+    timing = analyze(arrays, RunContext(world_size=2)).timing
+    assert timing.jitter_cost_share == 0.0 and timing.stall_count == 0
+    assert "TIMING.JITTER" not in codes(run_rules(analyze(arrays, RunContext(world_size=2))))
+    ph[150, 0, 5] = 500.0
+    timing = analyze(
+        RunArrays.from_arrays(ph, micro_batches=arrays.micro_batches), RunContext(world_size=2)
+    ).timing
+    assert timing.stall_count == 1 and timing.stalls[0].step == 151
+
+
 def test_jitter_names_the_phase_that_grows_in_slow_steps():
     rng = np.random.default_rng(3)
     phases = np.tile(np.array([0.3, 2.0, 4.0, 0.5, 0.3, 0.2]), (400, 2, 1)) * rng.uniform(

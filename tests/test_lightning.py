@@ -269,6 +269,28 @@ def test_gradient_accumulation_counts_optimizer_steps(tmp_path: Path) -> None:
     assert _summary(run_dir)["run"]["steps"] == 30
 
 
+def test_gradient_clipping_is_other_not_optimizer(tmp_path: Path) -> None:
+    # Lightning clips after on_before_optimizer_step, inside the closure: timed from that hook, 20 ms of
+    # clipping read as a 20 ms optimizer step.
+    run_dir = tmp_path / "run"
+    _run(
+        JOB,
+        "--run-dir",
+        run_dir,
+        "--steps",
+        20,
+        "--clip-ms",
+        20,
+        "--result",
+        tmp_path / "r.json",
+        cwd=tmp_path,
+    )
+    rows = read_rows(run_dir)
+    optimizer, other = (np.median(rows[:, COL[f"{p}_ms"]]) for p in ("optimizer", "other"))
+    assert optimizer < 5.0 and other >= 18.0, (optimizer, other)
+    assert json.loads((tmp_path / "r.json").read_text())["trainer_as_it_was"]
+
+
 def test_ddp_spawn_pickles_the_callback_and_records(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     _run(

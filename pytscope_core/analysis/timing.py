@@ -112,7 +112,8 @@ def step_timing(
 
     Instability (jitter, stalls) is judged against each step's own kind of step: `launch_size` (S,) is the
     number of ranks each step's launch ran on (`launch_sizes`); a job resumed on other numbers of ranks has
-    a typical step per size, and pooling them would make a stable run look unstable."""
+    a typical step per size, and pooling them would make a stable run look unstable. So does a step of more
+    micro-batches (an accumulation schedule, an epoch's short last window): each count has its own."""
     sel = statistics_steps(arrays)
     w = wall[sel]
     w = w[np.isfinite(w)]
@@ -123,7 +124,7 @@ def step_timing(
     shares = totals / grand if grand > 0 else np.zeros(len(PHASES))
     medians = np.median(pm, axis=0) if pm.shape[0] else np.full(len(PHASES), np.nan)
     median = float(np.median(w)) if w.size else math.nan
-    typical = _typical_step(wall, sel, launch_size)
+    typical = _typical_step(wall, sel, _step_kinds(arrays, launch_size))
     ok = sel & np.isfinite(wall) & (typical > 0)
     relative = wall[ok] / typical[ok]  # each counted step against its launch size's median step
     above = float(np.clip(wall[ok] - typical[ok], 0, None).sum())
@@ -161,9 +162,16 @@ def launch_sequence(sizes: Sequence[int]) -> tuple[int, ...]:
     return changes if len(changes) > 1 else ()
 
 
-def _typical_step(wall: np.ndarray, sel: np.ndarray, launch_size: np.ndarray | None) -> np.ndarray:
-    """(S,) the median counted step of each step's launch size (one median when there is one size)."""
-    groups = launch_size if launch_size is not None else np.zeros(wall.size, dtype=np.int64)
+def _step_kinds(arrays: RunArrays, launch_size: np.ndarray | None) -> np.ndarray:
+    """(S,) one number per kind of step: its launch's size and its micro-batches (the most any rank had; fmax
+    skips the ranks without a record, with no copy)."""
+    micro = np.fmax.reduce(arrays.micro_batches, axis=1) if arrays.n_steps else np.zeros(0)
+    size = launch_size if launch_size is not None else np.zeros(arrays.n_steps, dtype=np.int64)
+    return size.astype(np.float64) * 1e6 + np.nan_to_num(micro, nan=0.0)
+
+
+def _typical_step(wall: np.ndarray, sel: np.ndarray, groups: np.ndarray) -> np.ndarray:
+    """(S,) the median counted step of each step's kind (`_step_kinds`)."""
     typical = np.full(wall.size, np.nan)
     counted = sel & np.isfinite(wall)
     for g in np.unique(groups):

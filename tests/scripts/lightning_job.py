@@ -75,6 +75,10 @@ class Job(pl.LightningModule):
             return self._manual_step(loss, x, y)
         return {"loss": loss} if self.args.dict_output else loss
 
+    def configure_gradient_clipping(self, optimizer: Any, *args: Any, **kwargs: Any) -> None:
+        spin(self.args.clip_ms)  # Lightning's clipping runs after on_before_optimizer_step
+        super().configure_gradient_clipping(optimizer, *args, **kwargs)
+
     def on_train_batch_end(self, *args: Any) -> None:
         if self.args.late_spin_ms and self.global_rank == self.trainer.world_size - 1:
             spin(self.args.late_spin_ms)  # after the gradient all-reduce: the others wait at the next batch
@@ -220,6 +224,7 @@ def main() -> None:
     p.add_argument("--result", default=None)
     p.add_argument("--break-scope", action="store_true")
     p.add_argument("--callback-ms", type=float, default=0.0, help="a later callback's work after each batch")
+    p.add_argument("--clip-ms", type=float, default=0.0, help="gradient clipping takes this long per step")
     p.add_argument("--late-spin-ms", type=float, default=0.0, help="the last rank's work after each batch")
     p.add_argument("--sync-dist", action="store_true", help="training_step logs its loss with sync_dist=True")
     p.add_argument("--raise-at", type=int, default=0, help="training_step raises at this global step")
@@ -332,7 +337,8 @@ def main() -> None:
             trainer_as_it_was="save_checkpoint" not in trainer.__dict__  # the scope's wrappers are gone
             and "run" not in trainer.fit_loop.epoch_loop.val_loop.__dict__
             and not {"reduce", "barrier"} & set(trainer.strategy.__dict__)
-            and "_broadcast_sigterm_tensor" not in trainer.fit_loop.epoch_loop.__dict__,
+            and "_broadcast_sigterm_tensor" not in trainer.fit_loop.epoch_loop.__dict__
+            and "_after_closure" not in trainer.strategy.precision_plugin.__dict__,
         )
         with open(args.result, "w") as f:
             json.dump(result, f)
