@@ -247,7 +247,8 @@ def discount_peer_pauses(phases: np.ndarray, wall: np.ndarray, excluded: np.ndar
 def _latest_per_rank_step(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Keep, for each step, the rows of the latest segment that recorded it, one per rank; return (kept,
     superseded). A resume replays the steps done after the checkpoint: every earlier record of such a step is
-    superseded, a rank's that the resumed job no longer has included."""
+    superseded, a rank's that the resumed job no longer has included. A record written twice in one segment (a
+    rank's own file and a gather, a file appended twice) is one record, not a replay."""
     if rows.shape[0] == 0:
         return rows, rows
     rank = rows[:, COL["rank"]].astype(np.int64)
@@ -267,7 +268,7 @@ def _latest_per_rank_step(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     once = np.ones(key.size, dtype=bool)
     by_key = np.argsort(key, kind="stable")
     once[by_key[:-1]] = key[by_key[1:]] != key[by_key[:-1]]
-    return kept[once], np.concatenate([superseded, kept[~once]])
+    return kept[once], superseded
 
 
 def step_segments(segment: np.ndarray) -> np.ndarray:

@@ -125,6 +125,6 @@ class RunContext:
 def _positive(value: Any) -> float | None:
     try:
         v = float(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         return None
     return v if math.isfinite(v) and v > 0 else None

@@ -59,7 +59,7 @@ class Placement:
             return cls.of([(h, -1) for h in hosts])
         try:
             return cls(tuple(hosts), tuple(int(r) for r in local))
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):
             return cls.of([(h, -1) for h in hosts])
 
     def to_meta(self) -> dict[str, Any]:

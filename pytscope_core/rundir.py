@@ -406,7 +406,7 @@ def _load_run(root: Path, warmup: int | None) -> Run:
         if e.get("type") == "finding":
             try:
                 finding = Finding.from_dict(e["finding"])
-            except (KeyError, TypeError, ValueError):
+            except (KeyError, TypeError, ValueError, OverflowError):
                 problems.append("a live finding could not be read")
                 continue
             (extra if e.get("source") == "integration" else live).append(finding)
@@ -457,6 +457,10 @@ _SETTINGS: dict[str, tuple[type, ...]] = {  # meta.json settings the analysis re
 }
 
 
+MAX_WORLD = 2**17
+"""More ranks than any job runs (131,072): a meta.json that says more is damaged, not read as that many."""
+
+
 def _bad_settings(meta: dict[str, Any]) -> list[tuple[str, Any]]:
     """Settings present with a value of the wrong type or range (a hand-edited or damaged meta.json)."""
     bad = []
@@ -467,6 +471,7 @@ def _bad_settings(meta: dict[str, Any]) -> list[tuple[str, Any]]:
         ok = isinstance(value, types) and isinstance(value, bool) == (bool in types)  # True is an int too
         if ok and types == (int,):
             ok = value >= (1 if key in ("world_size", "interval") else 0) or key == "step_origin"
+            ok = ok and (key != "world_size" or value <= MAX_WORLD)
         if not ok:
             bad.append((key, value))
     return bad
@@ -497,10 +502,15 @@ def _largest_world(meta: dict[str, Any], events: list[dict[str, Any]]) -> int:
     return max(known, default=2**24)
 
 
+PHASE_SUM_SLACK = 0.01
+"""A row's phases add up to its wall time (they are attributed from one timeline); beyond this share off, the
+row is damaged, not rounded."""
+
+
 def sound_rows(rows: np.ndarray, world: int = 2**24) -> tuple[np.ndarray, int]:
     """The rows whose keys and times are possible (whole rank numbers below `world`, segment and step
-    numbers in range, a start time and durations that are finite and not negative), and how many were not: a
-    damaged file's bytes."""
+    numbers in range, a start time and durations that are finite and not negative, a step that took time,
+    phases that add up to it), and how many were not: a damaged file's bytes."""
     if not rows.size:
         return rows, 0
     key = rows[:, [COL["rank"], COL["segment"], COL["step"]]]
@@ -520,6 +530,8 @@ def sound_rows(rows: np.ndarray, world: int = 2**24) -> tuple[np.ndarray, int]:
             & np.isfinite(spans).all(axis=1)
             & (spans >= 0).all(axis=1)
             & (spans < 1e10).all(axis=1)
+            & (spans[:, 0] > 0)
+            & (np.abs(spans[:, 1:-1].sum(axis=1) - spans[:, 0]) <= PHASE_SUM_SLACK * spans[:, 0] + 1e-6)
         )
     bad = int(rows.shape[0] - ok.sum())
     return (rows[ok] if bad else rows), bad
@@ -532,6 +544,7 @@ def _context(
     in `problems` by kind (a damaged hang report must not vanish without a word)."""
     segments, counts, replicas, hangs, errors, notes, alive = [], [], [], [], [], [], []
     unreadable: dict[str, int] = {}
+    seen_notes: set[str] = set()
     world = int(meta.get("world_size") or arrays.world_size or 1)
     largest = _largest_world(meta, events)
     for e in events:
@@ -568,9 +581,12 @@ def _context(
                     alive.append((e["segment"], float(e["t"])))
             elif kind == "scope_error":
                 errors.append(str(e.get("message", "")))
-            elif kind == "scope_note" and str(e.get("message", "")) not in notes:  # (each launch says it)
+            elif (
+                kind == "scope_note" and str(e.get("message", "")) not in seen_notes
+            ):  # (each launch says it)
                 notes.append(str(e.get("message", "")))
-        except (KeyError, TypeError, ValueError):
+                seen_notes.add(notes[-1])
+        except (KeyError, TypeError, ValueError, OverflowError):
             unreadable[str(kind)] = unreadable.get(str(kind), 0) + 1
     problems.extend(f"{n} {kind} event(s) could not be read" for kind, n in unreadable.items())
     return RunContext.from_meta(

@@ -261,6 +261,6 @@ def _plain(x: Any) -> Any:
         return int(x)
     try:
         f = float(x)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         return str(x)
     return f if math.isfinite(f) else None

@@ -155,6 +155,8 @@ def test_exposed_communication_advice_fits_the_wrapper_and_one_rank_has_none(par
     one = RunArrays.from_arrays(ph[:, :1])  # one rank: FSDP2's brackets hold its own copies, no collective
     found = diagnose(one, RunContext(world_size=1, parallelism=parallelism))
     assert "DIST.COMM_BOUND" not in codes(found)
+    # Two ranks, one rank's records only: its comm is its wait for the other, not transfer.
+    assert "DIST.COMM_BOUND" not in codes(diagnose(one, RunContext(world_size=2, parallelism=parallelism)))
 
 
 def test_a_step_stalled_on_one_rank_is_named_with_its_rank_and_phase():

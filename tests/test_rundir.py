@@ -9,7 +9,8 @@ from pytscope_core.analysis import diagnose
 from pytscope_core.cli import main
 from pytscope_core.findings import Finding, Severity
 from pytscope_core.records import COL, COLUMNS, NCOLS
-from pytscope_core.rundir import RunWriter, append_rank_rows, load_run
+from pytscope_core.rundir import MAX_WORLD, RunWriter, append_rank_rows, load_run
+from pytscope_core.summary import summarize
 
 
 def rows_for(world=2, steps=60, segment=0, first=1, slow_rank=None):
@@ -118,6 +119,29 @@ def test_resumed_segment_supersedes_replayed_steps(tmp_path, capsys):
     assert main(["report", str(tmp_path / "r"), "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["run"]["steps"] == 200 and data["run"]["restarts"] == 1
+
+
+def test_rows_that_cannot_be_a_step_are_damage_and_rows_written_twice_are_not_a_replay(tmp_path):
+    w = RunWriter(tmp_path / "r", {"world_size": 2, "interval": 10, "warmup": 2})
+    w.event("segment", index=0, started_s=1000.0, resumed_from_step=0, world_size=2)
+    rows = rows_for(steps=60)
+    zero, over = rows[:2].copy(), rows[2:4].copy()
+    zero[:, COL["wall_ms"] : COL["other_ms"] + 1] = 0.0  # a step that took no time
+    over[:, COL["forward_ms"]] += 1000.0  # phases far beyond the step's wall time
+    w.append_rows(np.concatenate([rows[4:], rows[4:], zero, over]))  # the file appended twice, then damage
+    w.close()
+    run = load_run(tmp_path / "r")
+    assert run.arrays.n_steps == 58 and run.arrays.replayed.shape[0] == 0  # no resume: nothing replayed
+    assert run.problems == ["4 corrupt row(s) of step records dropped"]
+    assert summarize(run.arrays, run.context).to_dict()["run"]["restarts"] == 0
+
+
+def test_a_world_size_no_job_has_is_damage_not_an_allocation(tmp_path, capsys):
+    write_run(tmp_path / "r")
+    meta = json.loads((tmp_path / "r" / "meta.json").read_text())
+    (tmp_path / "r" / "meta.json").write_text(json.dumps({**meta, "world_size": MAX_WORLD + 1}))
+    assert main(["report", str(tmp_path / "r")]) == 0  # (10**12 ranks was a row per rank: out of memory)
+    assert f"world_size={MAX_WORLD + 1} is not valid" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("make", ["missing", "file", "empty", "junk", "foreign", "deep", "newer"])

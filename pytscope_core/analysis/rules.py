@@ -290,7 +290,9 @@ def comm_bound(a: RunAnalysis) -> list[Finding]:
     typical_share = d.transfer_ms / a.timing.median_ms if a.timing.median_ms > 0 else 0.0
     if not (min(d.transfer_share, typical_share) >= COMM_MIN_SHARE and d.transfer_ms >= COMM_MIN_MS):
         return []
-    if a.world_size < 2:  # nothing to communicate with (FSDP2's brackets on one rank hold its copies)
+    # Nothing to communicate with (FSDP2's brackets on one rank hold its copies); or one rank's records only,
+    # whose least-blocked comm is its wait for the ranks without records, not transfer.
+    if a.world_size < 2 or len(d.per_rank) < 2:
         return []
     sharded = (a.ctx.parallelism or "").startswith("fsdp2")
     where = (
