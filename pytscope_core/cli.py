@@ -8,6 +8,7 @@ traceback; `--fail-on` exits 1 when a finding is at least that severe.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -35,6 +36,22 @@ def _severity(text: str) -> Any:
         return Severity.parse(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _path(text: str) -> str:
+    """A path argument: never empty (an empty one would mean the current folder, or nothing at all)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must not be empty")
+    return text
+
+
+def _not_a_run_file(output: str, run_dirs: Sequence[str], what: str) -> None:
+    """An output path must not be one of an input run's own files (a report of it would then read the plot or
+    trace as damaged records)."""
+    from .rundir import is_run_file
+
+    if any(is_run_file(Path(d), Path(output)) for d in run_dirs):
+        raise UsageError(f"{what}: it is one of the run's own files (write it elsewhere)")
 
 
 def _cannot_write(what: str, exc: OSError) -> UsageError:
@@ -75,12 +92,16 @@ def cmd_report(args: argparse.Namespace) -> int:
     else:
         from rich.markup import escape
 
-        from .render import render_summary
+        from .render import MAX_NOTES, render_summary
 
         console = _console()
         console.print(render_summary(summary))
-        for problem in run.problems:
+        for problem in run.problems[:MAX_NOTES]:
             console.print(f"[yellow]note:[/] {escape(problem)}")
+        if len(run.problems) > MAX_NOTES:
+            console.print(
+                f"[yellow]note:[/] ... and {len(run.problems) - MAX_NOTES} more (all of them: --json)"
+            )
     if plots:
         from .plots import write_report_plots
 
@@ -182,6 +203,7 @@ def cmd_scaling(args: argparse.Namespace) -> int:
         raise UsageError(f"pytscope scaling: {exc}: nothing to scale") from None
     cannot_write_plot = f"pytscope scaling: cannot write {args.plot}"
     if args.plot:  # a path that cannot be written fails before the table is printed
+        _not_a_run_file(args.plot, args.run_dirs, cannot_write_plot)
         if Path(args.plot).is_dir():
             raise UsageError(f"{cannot_write_plot}: it is a folder (give a file name, e.g. scaling.png)")
         try:
@@ -209,6 +231,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
 
     if args.max_steps < 1:
         raise UsageError("pytscope trace: --max-steps must be at least 1")
+    _not_a_run_file(args.output, [args.run_dir], f"pytscope trace: cannot write {args.output}")
     run = _load(args.run_dir)
     if run.arrays.n_steps == 0:
         raise UsageError(f"pytscope trace: {args.run_dir} holds no step records yet (nothing to trace)")
@@ -304,13 +327,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--fail-on", type=_severity, metavar="SEVERITY", help="exit 1 if a finding is at least this severe"
     )
-    p.add_argument("--plots", metavar="DIR", help="also write PNG plots into DIR")
+    p.add_argument("--plots", type=_path, metavar="DIR", help="also write PNG plots into DIR")
 
     p = sub.add_parser("demo", help="run a small multi-process CPU job with a fault injected, then report")
     p.add_argument("--scenario", choices=SCENARIOS, default="straggler")
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--run-dir", default=None)
+    p.add_argument("--run-dir", type=_path, default=None)
 
     p = sub.add_parser("compare", help="what changed between two runs (timing, phases, findings)")
     p.add_argument("run_a")
@@ -327,7 +350,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("scaling", help="throughput, speedup and efficiency over runs at 1, 2, 4 ... workers")
     p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
     p.add_argument("--json", action="store_true", help="print the points as JSON")
-    p.add_argument("--plot", metavar="FILE.png", help="write throughput and efficiency against workers")
+    p.add_argument(
+        "--plot", type=_path, metavar="FILE.png", help="write throughput and efficiency against workers"
+    )
     p.add_argument(
         "--target-loss", type=float, metavar="X", help="also time and worker-seconds to reach loss X"
     )
@@ -339,7 +364,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("trace", help="per-rank timeline of phases in Chrome trace format (Perfetto)")
     p.add_argument("run_dir")
-    p.add_argument("-o", "--output", required=True, metavar="FILE.json")
+    p.add_argument("-o", "--output", type=_path, required=True, metavar="FILE.json")
     p.add_argument(
         "--max-steps", type=int, default=20_000, help="keep only the latest N steps (default 20000)"
     )
@@ -364,6 +389,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     stdout = sys.stdout
     if stdout is not None:  # (None: started with its standard output closed)
+        with contextlib.suppress(AttributeError, ValueError):  # (not a text stream that can be reconfigured)
+            stdout.reconfigure(errors="replace")  # type: ignore[union-attr]  # bars on an ASCII terminal: "?"
         sys.stdout = PipeSafeStdout(stdout)
     try:
         args = build_parser().parse_args(argv)

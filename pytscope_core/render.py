@@ -25,6 +25,8 @@ BAR_WIDTH = 30
 SPARK_CHARS = "▁▂▃▄▅▆▇█"
 MAX_RANK_ROWS = 16
 """Above this many ranks the table shows the slowest 8 and the fastest 4 by local work."""
+MAX_NOTES = 8
+"""Scope notes and errors the console shows, the first ones (all of them in --json): a report stays small."""
 MAX_RANK_END_ROWS = 8
 """Ranks whose own records (and why they end) the run summary lists, those that end earliest first."""
 MAX_LAUNCHES_SHOWN = 6
@@ -86,7 +88,7 @@ def render_run(summary: Summary) -> RenderableType:
     table.add_row("restarts", str(r.restarts))
     if r.parallelism:
         table.add_row("parallelism", Text(r.parallelism + (f": {r.comm_note}" if r.comm_note else "")))
-    for note in summary.scope_notes:  # what the scope could not measure, or why it ended early, as it said
+    for note in _first(summary.scope_notes, "notes"):  # what the scope could not measure, why it ended early
         table.add_row("note", Text(note))
     # The ranks whose records end earliest first; a large job's others in one line (all in --json).
     ends = sorted(r.rank_ends, key=lambda e: (e.last_step is not None, e.last_step or 0, e.rank))
@@ -328,6 +330,14 @@ def render_findings(findings: Sequence[Finding]) -> RenderableType:
     return Group(*parts)
 
 
+def _first(texts: tuple[str, ...], what: str) -> list[str]:
+    """The first MAX_NOTES of `texts`, and a line saying how many more there are."""
+    more = len(texts) - MAX_NOTES
+    return list(texts[:MAX_NOTES]) + (
+        [f"... and {more} more {what} (all of them: --json)"] if more > 0 else []
+    )
+
+
 def render_summary(summary: Summary) -> Group:
     parts: list[RenderableType] = [
         render_run(summary),
@@ -340,5 +350,5 @@ def render_summary(summary: Summary) -> Group:
     ]
     if summary.scope_errors:
         parts.append(_section("Scope errors"))
-        parts.extend(Text(e) for e in summary.scope_errors)
+        parts.extend(Text(e) for e in _first(summary.scope_errors, "errors"))
     return Group(*parts)

@@ -142,7 +142,7 @@ def run_columns(path: Path) -> list[str]:
     """The column layout of the run's rows (`meta.json`): this version's, unless the run began under one
     whose rows had other columns (rows are always written, and read, in the run's own layout)."""
     try:
-        return _columns_of(json.loads((path / "meta.json").read_text())) or list(COLUMNS)
+        return _columns_of(json.loads(regular_file(path / "meta.json").read_text())) or list(COLUMNS)
     except (OSError, ValueError, AttributeError):
         return list(COLUMNS)
 
@@ -204,10 +204,13 @@ def read_rank_files(
     failures: list[RankFailure] = []
     for n in rank_files(".jsonl"):
         text = _read_or_note(partial((folder / n).read_text, errors="replace"), f"ranks/{n}", problems, "")
+        unreadable = 0
         for line in text.splitlines():
             try:
                 entry = json.loads(line)
                 rank, last, reason = int(entry["rank"]), entry.get("last_step"), str(entry["reason"])
+                if n != f"rank{rank}.jsonl":  # a rank writes its own file only
+                    raise ValueError("another rank's entry")
                 later = every[:, COL["step"]][every[:, COL["rank"]] == rank]
                 went_on = last is not None and later.size > 0 and float(np.nanmax(later)) > float(last)
                 if RAISED in reason and not reason.split(RAISED, 1)[1].startswith(NOT_FAILURES):
@@ -228,8 +231,9 @@ def read_rank_files(
                     continue
                 reasons[rank] = reason
             except (ValueError, KeyError, TypeError, OverflowError, RecursionError):
-                problems.append(f"an unreadable line of ranks/{n} skipped")
-                continue
+                unreadable += 1
+        if unreadable:
+            problems.append(f"{unreadable} unreadable line(s) of ranks/{n} skipped")
     failures.sort(key=lambda f: (f.t is None, f.t or 0.0, _follows_a_peer(f.reason), f.rank))
     return rows, reasons, failures
 
@@ -260,6 +264,7 @@ def read_rows(path: Path, columns: list[str] | None = None, name: str = "steps.f
     f = path / name
     if not f.exists():
         return np.empty((0, NCOLS))
+    regular_file(f)
     columns = columns or list(COLUMNS)
     width = len(columns)
     raw = np.fromfile(f, dtype="<f8")
@@ -294,7 +299,7 @@ def read_events(path: Path) -> tuple[list[dict[str, Any]], int]:
     events: list[dict[str, Any]] = []
     bad = 0
     if f.exists():
-        for line in f.read_text(errors="replace").splitlines():
+        for line in regular_file(f).read_text(errors="replace").splitlines():
             if not line.strip():
                 continue
             try:
@@ -336,9 +341,9 @@ def _load_run(root: Path, warmup: int | None) -> Run:
     meta_path = root / "meta.json"
     if meta_path.exists():
         try:
-            loaded = json.loads(meta_path.read_text())
-            if not isinstance(loaded, dict):
-                raise ValueError("not an object")
+            loaded = json.loads(regular_file(meta_path).read_text())
+            if not isinstance(loaded, dict) or not loaded:
+                raise ValueError("not an object, or an empty one")
             meta = loaded
         except (ValueError, UnicodeDecodeError, RecursionError, OSError):
             problems.append("meta.json is unreadable; defaults assumed")
@@ -434,6 +439,30 @@ def _with_earlier_places(meta: dict[str, Any], fields: dict[str, Any]) -> dict[s
     return out
 
 
+RUN_FILES = ("meta.json", "steps.f64", "events.jsonl", "scalars.jsonl", "summary.json", "summary.txt")
+RUN_FOLDERS = ("ranks", "stacks")
+
+
+def is_run_file(root: Path, path: Path) -> bool:
+    """Whether `path` is (or would be) one of the files of the run in `root`, where its writer or reader
+    puts them."""
+    try:
+        root, path = root.resolve(), path.resolve()
+    except (OSError, RuntimeError):  # (a link loop)
+        return False
+    if path.parent == root:
+        return path.name in RUN_FILES
+    return any(path.is_relative_to(root / folder) for folder in RUN_FOLDERS)
+
+
+def regular_file(f: Path) -> Path:
+    """`f`, if it is a regular file (or a link to one); OSError if not: a named pipe would block the reader
+    forever, a device such as /dev/zero would fill its memory."""
+    if not f.is_file():
+        raise OSError(errno.EINVAL, "not a regular file", str(f))
+    return f
+
+
 def _read_or_note(read: Callable[[], T], name: str, problems: list[str], empty: T) -> T:
     """What `read` returns, or `empty` with a note when the file cannot be read at all."""
     try:
@@ -480,7 +509,7 @@ def _bad_settings(meta: dict[str, Any]) -> list[tuple[str, Any]]:
 def run_world(path: Path) -> int:
     """The most ranks any launch of the run in `path` had, as the reader takes it (`sound_rows`)."""
     try:
-        meta = json.loads((path / "meta.json").read_text())
+        meta = json.loads(regular_file(path / "meta.json").read_text())
     except (OSError, ValueError, RecursionError):
         meta = {}
     return _largest_world(meta if isinstance(meta, dict) else {}, read_events(path)[0])
@@ -489,7 +518,7 @@ def run_world(path: Path) -> int:
 def run_warmup(path: Path, default: int) -> int:
     """The warm-up the run's reports leave out (`meta.json`'s: a resumed run keeps its first launch's)."""
     try:
-        warmup = json.loads((path / "meta.json").read_text()).get("warmup")
+        warmup = json.loads(regular_file(path / "meta.json").read_text()).get("warmup")
     except (OSError, ValueError, RecursionError, AttributeError):
         return default
     return warmup if isinstance(warmup, int) and not isinstance(warmup, bool) and warmup >= 0 else default

@@ -1,4 +1,6 @@
 import json
+import os
+import shutil
 import subprocess
 import sys
 
@@ -56,6 +58,7 @@ def write_run(path, **kw):
         },
     )
     w.close()
+    return path
 
 
 def test_truncated_at_random_byte_offsets_still_reports(tmp_path, capsys):
@@ -516,8 +519,65 @@ def test_a_missing_meta_a_torn_rank_file_and_an_unreadable_rank_line_are_said(tm
     with open(tmp_path / "r" / "ranks" / "rank1.f64", "ab") as f:
         f.write(b"\0" * 12)  # killed while writing a row
     with open(tmp_path / "r" / "ranks" / "rank1.jsonl", "a") as f:
-        f.write("{not json\n")
+        f.write("{not json\n{not json either\n")
+        f.write(json.dumps({"rank": 0, "reason": "the process raised RuntimeError: x", "last_step": 3}) + "\n")
     (tmp_path / "r" / "meta.json").unlink()
-    said = " | ".join(load_run(tmp_path / "r").problems)
+    run = load_run(tmp_path / "r")
+    said = " | ".join(run.problems)
     assert "meta.json is missing" in said and "torn last row of ranks/rank1.f64" in said, said
-    assert "an unreadable line of ranks/rank1.jsonl skipped" in said
+    assert "3 unreadable line(s) of ranks/rank1.jsonl skipped" in said  # once, counted
+    assert run.context.failures == ()  # rank 1's file speaks for rank 1 only
+
+
+def test_damage_no_reader_survived_before(tmp_path, capsys):
+    # A number too large for a float, pipes and devices where files should be, forty thousand notes.
+    run = write_run(tmp_path / "r")
+    with open(run / "events.jsonl", "a") as f:
+        f.write('{"type":"segment","index":Infinity,"started_s":1.0}\n')
+        f.write('{"type":"meta","fields":{"peak_flops":1' + "0" * 400 + "}}\n")
+        f.writelines(json.dumps({"type": "scope_note", "message": f"note {i}"}) + "\n" for i in range(40_000))
+    assert main(["report", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "note 7" in out and "note 8" not in out and "... and 39992 more notes (all of them: --json)" in out
+    assert "1 segment event(s) could not be read" in out
+    for name in ("meta.json", "events.jsonl", "steps.f64"):
+        broken = tmp_path / name
+        shutil.copytree(run, broken)
+        (broken / name).unlink()
+        os.mkfifo(broken / name)  # read as a file, it blocked the report forever
+        assert main(["report", str(broken)]) == 0
+        out = capsys.readouterr().out
+        assert ("meta.json is unreadable" if name == "meta.json" else f"{name} cannot be read") in out
+    (tmp_path / "events.jsonl" / "events.jsonl").unlink()
+    (tmp_path / "events.jsonl" / "events.jsonl").symlink_to("/dev/zero")  # read whole, it never ended
+    assert main(["report", str(tmp_path / "events.jsonl")]) == 0
+
+
+def test_outputs_never_overwrite_a_runs_own_files_nor_default_to_the_current_folder(tmp_path, capsys):
+    run = write_run(tmp_path / "r")
+    before = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
+    assert main(["trace", str(run), "-o", str(run / "steps.f64")]) == 2
+    assert main(["scaling", str(run), "--plot", str(run / "meta.json")]) == 2
+    assert "it is one of the run's own files" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()} == before
+    assert main(["trace", str(run), "-o", str(run / "trace.json")]) == 0  # a file of its own there is fine
+    for argv in (
+        ["demo", "--run-dir", ""],
+        ["report", str(run), "--plots", " "],
+        ["trace", str(run), "-o", ""],
+    ):
+        assert main(argv) == 2
+        assert "must not be empty" in capsys.readouterr().err
+
+
+def test_a_report_on_an_ascii_terminal_replaces_what_it_cannot_draw(tmp_path):
+    run = write_run(tmp_path / "r")
+    env = {**os.environ, "PYTHONIOENCODING": "ascii"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytscope_core.cli", "report", str(run)],
+        capture_output=True,
+        env=env,
+        timeout=120,
+    )
+    assert proc.returncode == 0 and b"Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert b"Step-time breakdown" in proc.stdout
