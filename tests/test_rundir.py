@@ -520,7 +520,9 @@ def test_a_missing_meta_a_torn_rank_file_and_an_unreadable_rank_line_are_said(tm
         f.write(b"\0" * 12)  # killed while writing a row
     with open(tmp_path / "r" / "ranks" / "rank1.jsonl", "a") as f:
         f.write("{not json\n{not json either\n")
-        f.write(json.dumps({"rank": 0, "reason": "the process raised RuntimeError: x", "last_step": 3}) + "\n")
+        f.write(
+            json.dumps({"rank": 0, "reason": "the process raised RuntimeError: x", "last_step": 3}) + "\n"
+        )
     (tmp_path / "r" / "meta.json").unlink()
     run = load_run(tmp_path / "r")
     said = " | ".join(run.problems)
