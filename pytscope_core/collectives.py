@@ -65,27 +65,37 @@ def time_methods(
     put back) is timed for these hooks instead."""
     for name in names:
         method = getattr(owner, name, None)
-        if getattr(method, "pytscope_collective", False):
-            method = method.__wrapped__  # type: ignore[union-attr]
+        if isinstance(method, TimedMethod):
+            method = method.method
         if callable(method):
-            setattr(owner, name, _timed(method, hooks, on_error))
+            setattr(owner, name, TimedMethod(method, hooks, on_error))
 
 
-def _timed(
-    method: Callable[..., Any], hooks: _Hooks, on_error: Callable[[BaseException], None]
-) -> Callable[..., Any]:
-    @functools.wraps(method)
-    def timed(*args: Any, **kwargs: Any) -> Any:
-        with collective_wait(hooks, on_error):
-            return method(*args, **kwargs)
+class TimedMethod:
+    """A method whose calls are collective waits. Equal to the method it wraps: Lightning keeps the reduce
+    function of each metric `self.log` logs and refuses a later log of it whose function differs (the
+    sanity check's, before the fit's wrapper; the first fit's, in a second fit)."""
 
-    timed.pytscope_collective = True  # type: ignore[attr-defined]
-    return timed
+    pytscope_collective = True
+
+    def __init__(self, method: Callable[..., Any], hooks: _Hooks, on_error: Callable[[BaseException], None]):
+        functools.update_wrapper(self, method)
+        self.method, self._hooks, self._on_error = method, hooks, on_error
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with collective_wait(self._hooks, self._on_error):
+            return self.method(*args, **kwargs)
+
+    def __eq__(self, other: object) -> bool:
+        return bool(self.method == (other.method if isinstance(other, TimedMethod) else other))
+
+    def __hash__(self) -> int:
+        return hash(self.method)
 
 
 def untime_methods(owner: Any, names: Iterable[str]) -> None:
     """Each `owner.name` as it was before `time_methods`, unless another tool wrapped it since (that wrapper
-    keeps ours inside it, and works on)."""
+    keeps ours inside it, which marks nothing once its scope has ended)."""
     for name in names:
         restore_method(owner, name, "pytscope_collective")
 
@@ -97,6 +107,8 @@ def restore_method(owner: Any, name: str, marker: str) -> None:
     if not getattr(ours, marker, False):
         return
     previous = ours.__wrapped__
+    if getattr(previous, marker, False):  # another tool's wrapper around ours (it copied our attributes)
+        return
     if getattr(previous, "__func__", None) is getattr(type(owner), name, None):
         del owner.__dict__[name]
     else:

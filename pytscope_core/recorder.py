@@ -24,6 +24,7 @@ from .values import to_floats
 
 # Plain ints for the hot path (an enum member lookup costs more than the append it feeds).
 _STEP_END, _FORWARD_END, _OPTIMIZER_END = int(Mark.STEP_END), int(Mark.FORWARD_END), int(Mark.OPTIMIZER_END)
+_LOOP_COMM_BEGIN, _LOOP_COMM_END = int(Mark.LOOP_COMM_BEGIN), int(Mark.LOOP_COMM_END)
 _RSS_UNIT = 1 if sys.platform == "darwin" else 1024  # ru_maxrss is bytes on macOS, KiB on Linux
 MEMORY_EVERY = 8
 """Steps between memory reads: a high-water mark (host peak RSS, CUDA allocator max) only grows, and reading
@@ -215,11 +216,11 @@ class StepRecorder:
         return self.step_label(max(self.steps_done + (1 if open_step else 0), 1))
 
     def progress(self) -> tuple[tuple[int, int, int], int | None]:
-        """For another thread: a signature that changes with every mark, and the latest mark (or None).
-        Reads only; safe while the training thread appends."""
+        """For another thread: a signature that changes with every mark, and the latest mark (or None), read
+        through a collective of the loop's (`place_mark`). Reads only; safe while the training thread appends."""
         marks = self._marks
         n = len(marks)
-        return (self.steps_done, id(marks), n), (marks[n - 1] if n else None)
+        return (self.steps_done, id(marks), n), (place_mark(marks, n) if n else None)
 
     @property
     def completed(self) -> tuple[int, int, int]:
@@ -368,3 +369,17 @@ def step_losses(logged: list[list[Any]]) -> list[float]:
         else:
             out.append(math.inf)
     return out
+
+
+def place_mark(marks: list[int], n: int) -> int:
+    """The latest of the first `n` marks, or, where that ends a collective of the loop's (a barrier, a metric's
+    all-reduce), the mark before that collective began: where the loop is in the step's order, which the
+    watchdog compares across ranks."""
+    if marks[n - 1] != _LOOP_COMM_END:
+        return marks[n - 1]
+    depth = 0
+    for i in range(n - 1, -1, -1):
+        depth += (marks[i] == _LOOP_COMM_END) - (marks[i] == _LOOP_COMM_BEGIN)
+        if depth == 0:
+            return marks[i - 1] if i > 0 else marks[n - 1]
+    return marks[n - 1]

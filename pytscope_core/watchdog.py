@@ -131,6 +131,8 @@ def classify_hang(
     if waiting and missing:
         syncs = max(int(beats[r]["syncs"]) for r in waiting) + 1
         step = max(_label(beats[r]) for r in waiting)
+        if allreduce == LOOP_WAIT and all(_working(beats.get(r), step, timeout_s) for r in missing):
+            return _kept_waiting(beats, waiting, missing, step, timeout_s, idle, place)
         which = (
             allreduce
             if allreduce in (GATHER, LOOP_WAIT)
@@ -247,6 +249,54 @@ def _no_progress(
         ),
         steps=(step,),
         evidence={f"idle_s_rank{r}": idle[r] for r in range(min(world_size, 16))},
+    )
+
+
+def _working(beat: dict[str, Any] | None, step: int, timeout_s: float) -> bool:
+    """A rank alive (its heartbeat fresh), in its training loop (not finished), at the waiting ranks' step
+    or past it: what it does between steps may be work of its own (a sample, a checkpoint on rank 0 only)."""
+    return (
+        beat is not None
+        and float(beat.get("age_s", 0.0)) < timeout_s
+        and beat["phase"] != "finished"
+        and _label(beat) >= step
+    )
+
+
+def _kept_waiting(
+    beats: dict[int, dict[str, Any]],
+    waiting: list[int],
+    missing: list[int],
+    step: int,
+    timeout_s: float,
+    idle: dict[int, float],
+    place: Placement,
+) -> Finding:
+    """Some ranks wait in a collective of the loop's while the others, alive at the same step, do something
+    else: work of some ranks only between steps looks the same as a rank stuck there. MED: the watchdog does
+    not end the job for it (a DDP all-reduce some rank never reached is proof: every rank does the same work
+    before it)."""
+    few = len(missing) > 1
+    return Finding(
+        code="DIST.HANG",
+        severity=Severity.MED,
+        title=f"rank{'s' if few else ''} {format_ranks(missing)}{_on_hosts(missing, place)} kept the others "
+        f"waiting for {min(idle[r] for r in waiting):.0f} s",
+        detail=(
+            f"At step {step}, rank{'s' if len(waiting) > 1 else ''} {format_ranks(waiting)} "
+            f"{'have' if len(waiting) > 1 else 'has'} been waiting in {LOOP_WAIT} for "
+            f"{min(idle[r] for r in waiting):.0f} s; {_whereabouts(missing, beats, place)}: work of some ranks "
+            "only between steps (a sample, a checkpoint, an evaluation outside `scope.paused()`) looks the same "
+            f"as a rank stuck there. pytscope does not end the job for this (hang_timeout {timeout_s:.0f} s; "
+            "stacks of every rank are in stacks/)."
+        ),
+        recommendation=(
+            f"Read rank {missing[0]}'s stack in stacks/: if it is working, wrap that work in `scope.paused()` "
+            "(or raise hang_timeout); if it is stuck, its stack says where."
+        ),
+        ranks=tuple(missing),
+        steps=(step,),
+        evidence={f"idle_s_rank{r}": idle[r] for r in range(min(len(idle), 16)) if idle[r] != float("inf")},
     )
 
 

@@ -4,6 +4,7 @@ were."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import pytest
@@ -125,3 +126,25 @@ def test_a_plain_loops_own_barrier_is_comm(tmp_path):
     scope.finish()
     comm = load_run(tmp_path).arrays.comm_ms[:, 0]
     assert (comm >= 15.0).all(), comm
+
+
+def test_a_timed_method_equals_the_one_it_wraps_and_another_tools_wrapper_over_it_stays():
+    # Lightning keeps the reduce function each logged metric was logged with, and refuses a later log whose
+    # function is not equal to it: the sanity check logs with the strategy's own, the fit with ours.
+    rec = StepRecorder(clock=FakeClock())
+    hooks = TorchHooks(rec, lambda exc: None)
+    strategy = Strategy()
+    original = strategy.reduce
+    time_methods(strategy, ("reduce",), hooks, lambda exc: None)
+    first = strategy.reduce
+    assert first == original and original == first and hash(first) == hash(original)
+    time_methods(strategy, ("reduce",), hooks, lambda exc: None)  # a second fit's
+    assert strategy.reduce == first and strategy.reduce is not first
+
+    @functools.wraps(strategy.reduce)
+    def theirs(*args: Any, **kwargs: Any) -> Any:  # another tool's, around ours
+        return first(*args, **kwargs)
+
+    strategy.reduce = theirs  # type: ignore[method-assign]
+    untime_methods(strategy, ("reduce",))
+    assert strategy.__dict__["reduce"] is theirs

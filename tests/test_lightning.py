@@ -291,6 +291,19 @@ def test_gradient_clipping_is_other_not_optimizer(tmp_path: Path) -> None:
     assert json.loads((tmp_path / "r.json").read_text())["trainer_as_it_was"]
 
 
+def test_metrics_logged_before_and_during_fits_keep_logging(tmp_path: Path) -> None:
+    # Lightning compares the reduce function a metric was first logged with to the one of each later log
+    # of it: the sanity check's validation logs with the strategy's own `reduce`, the fit's with the scope's
+    # timed one, and a second fit's with a new one. Unequal, every `self.log` in validation raised.
+    run_dir = tmp_path / "run"
+    _run(
+        JOB,
+        *("--run-dir", run_dir, "--steps", 20, "--val-every", 10, "--sanity-steps", 1, "--refit-to", 40),
+        cwd=tmp_path,
+    )
+    assert _summary(run_dir)["run"]["steps"] == 40
+
+
 def test_ddp_spawn_pickles_the_callback_and_records(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     _run(

@@ -186,6 +186,7 @@ def test_heartbeats_seen_once_are_read_in_one_round_trip():
 def rows_of(rank: int, steps: range) -> np.ndarray:
     rows = np.full((len(steps), NCOLS), 1.0)
     rows[:, COL["rank"]], rows[:, COL["step"]] = rank, list(steps)
+    rows[:, COL["wall_ms"]] = 6.0  # the six phases' 1 ms each
     return rows
 
 

@@ -29,6 +29,11 @@ FOREIGN_PRIVATE = {
     "torch._dynamo",  # torch < 2.3 has `is_compiling` there only (compiled.py)
     # the step Lightning's loggers, LearningRateMonitor and DeviceStatsMonitor log at (no public getter)
     "trainer.fit_loop.epoch_loop._batches_that_stepped",
+    # where Lightning's closure ends, after on_before_optimizer_step and gradient clipping: the optimizer
+    # phase begins there (callback.py). Read by name, with getattr: the epoch loop's
+    # `_broadcast_sigterm_tensor` (a collective of every batch, timed as one), Accelerate's `_models` (the
+    # models prepare returned) and `_custom_objects` (what save_state stores)
+    "plugin._after_closure",
 }
 
 

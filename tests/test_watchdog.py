@@ -92,16 +92,35 @@ def _beat(phase: str, step: int = 2) -> dict:
     return {"step": step, "phase": phase, "idle_s": 400.0, "syncs": step}
 
 
-def test_ranks_left_waiting_in_a_collective_of_the_loops_own_name_the_rank_that_never_came():
-    # Rank 1 waits in a barrier or a metric's all-reduce the integration times; rank 0 is still in its own
-    # code after the optimizer step. Untimed, both read "after the optimizer step": a MED "no progress".
-    f = classify_hang({0: _beat("after the optimizer step"), 1: _beat(watchdog.LOOP_COLLECTIVE)}, 2, 300.0)
+def test_ranks_left_waiting_in_a_collective_of_the_loops_own_name_the_rank_they_wait_for():
+    # Rank 1 waits in a barrier, a metric's all-reduce or Lightning's per-batch broadcast (timed); rank 0 is
+    # alive at the same step after its optimizer step: work of rank 0 only between steps (a sample, a
+    # checkpoint) looks the same as rank 0 stuck there, so it is named, MED, and the job is not ended.
+    waiting = _beat(watchdog.LOOP_COLLECTIVE)
+    f = classify_hang({0: _beat("after the optimizer step"), 1: waiting}, 2, 300.0)
+    assert f is not None and f.severity.name == "MED" and f.ranks == (0,)
+    assert f.title == "rank 0 kept the others waiting for 400 s", f.title
+    assert (
+        "waiting in a collective the training loop calls" in f.detail and "does not end the job" in f.detail
+    )
+    # Rank 0 left the loop, is a step behind, or its heartbeat went stale: it will not come. HIGH.
+    for gone in (_beat("finished"), _beat("forward", step=1), {**_beat("forward"), "age_s": 400.0}):
+        f = classify_hang({0: gone, 1: waiting}, 2, 300.0)
+        assert f is not None and f.severity.name == "HIGH" and f.ranks == (0,), gone
+        assert f.title == f"rank 0 never reached {watchdog.LOOP_WAIT}", f.title
+    f = classify_hang({1: waiting}, 2, 300.0)  # no heartbeat at all
     assert f is not None and f.severity.name == "HIGH" and f.ranks == (0,)
-    assert f.title == f"rank 0 never reached {watchdog.LOOP_WAIT}", f.title
-    assert "waiting in a collective the training loop calls" in f.detail and "backward for" not in f.detail
-    beats = {0: _beat("forward"), 1: _beat(watchdog.LOOP_COLLECTIVE)}
-    warm_up = classify_hang(beats, 2, 300.0, collective_only=True)  # the warm-up rule takes it too
-    assert warm_up is not None and warm_up.ranks == (0,)
+
+
+def test_after_a_collective_of_the_loops_a_rank_is_placed_where_it_was_before_it():
+    from pytscope_core.recorder import place_mark
+
+    b, e = int(Mark.LOOP_COMM_BEGIN), int(Mark.LOOP_COMM_END)
+    after = int(Mark.OPTIMIZER_END)
+    assert place_mark([int(Mark.DATA_BEGIN), after, b, e], 4) == after
+    assert place_mark([int(Mark.DATA_BEGIN), after, b, b, e, e], 6) == after  # nested: gather_for_metrics
+    assert place_mark([after, b, e, b], 4) == b  # inside the next one: in it
+    assert place_mark([b, e], 2) == e  # nothing before it
 
 
 def test_during_warm_up_only_ranks_left_waiting_in_a_collective_are_a_hang():

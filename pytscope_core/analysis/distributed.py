@@ -254,17 +254,21 @@ def _distributed_timing(arrays: RunArrays, sel: np.ndarray) -> DistributedTiming
     is_candidate = (excess >= STRAGGLER_MIN_EXCESS) & persistent
     is_candidate &= z >= STRAGGLER_MIN_Z
 
-    total_wall = float(wall_all.mean(axis=1, dtype=np.float64).sum())
-    lost_ms, next_local = _straggler_cost(local, is_candidate)
-    lost_share = lost_ms * n / total_wall if total_wall > 0 else 0.0
-    is_straggler = is_candidate & (lost_share >= STRAGGLER_MIN_COST_SHARE)
-
     phases = arrays.phases[sel][complete] if not complete.all() else arrays.phases[sel]
     extra = _extra_phases(phases, is_candidate)
     local_med = stats.median_over_steps(local)
     numbers = arrays.steps[sel][complete] if not complete.all() else arrays.steps[sel]
-    intermittent = _intermittent(local, local_med, wall_all, phases, numbers, ranks)
+    intermittent, its_steps = _intermittent(local, local_med, wall_all, phases, numbers, ranks)
     del phases  # (S, R, P): not kept while the medians below make their own temporaries
+
+    # What a persistent straggler costs, over the steps an intermittent one did not make slow: those are
+    # TIMING.JITTER's and TIMING.STALL's (a rank-0-only checkpoint every 10th step is not a slow rank).
+    total_wall = float(wall_all.mean(axis=1, dtype=np.float64).sum())
+    typical = np.ones(n, dtype=bool)
+    typical[its_steps] = False
+    lost_ms, next_local = _straggler_cost(local[typical] if its_steps.size else local, is_candidate)
+    lost_share = lost_ms * int(typical.sum()) / total_wall if total_wall > 0 else 0.0
+    is_straggler = is_candidate & (lost_share >= STRAGGLER_MIN_COST_SHARE)
     comm_med = stats.median_over_steps(comm_all)
     wait_med = stats.median_over_steps(sync_wait)
     data_med = stats.median_over_steps(data)
@@ -304,32 +308,34 @@ def _intermittent(
     phases: np.ndarray,
     numbers: np.ndarray,
     ranks: list[int],
-) -> Intermittent | None:
+) -> tuple[Intermittent | None, np.ndarray]:
     """The rank whose local work grew the most in most of the slow steps (`INTERMITTENT_SHARE`),
-    with its phase and the steps' spacing; None on one rank, or when no rank holds them (the host, the
-    network, noise). `local`, `wall` (n, R) and `phases` (n, R, P) are the counted steps', `numbers` their step
-    numbers, `local_med` (R,) each rank's median local work."""
+    with its phase and the steps' spacing, and the positions of the steps it made slow; None (and no steps)
+    on one rank, or when no rank holds them (the host, the network, noise). `local`, `wall` (n, R) and
+    `phases` (n, R, P) are the counted steps', `numbers` their step numbers, `local_med` (R,) each rank's
+    median local work."""
+    none = (None, np.zeros(0, dtype=np.int64))
     n, r = local.shape
     if n < 20 or r < 2:
-        return None
+        return none
     step_wall = wall.mean(axis=1, dtype=np.float64)
     median = float(np.median(step_wall))
     noise = stats.MAD_TO_SIGMA * float(np.median(np.abs(step_wall - median)))
     slow = np.flatnonzero(step_wall >= max(INTERMITTENT_SLOW * median, median + INTERMITTENT_SIGMAS * noise))
     if slow.size < INTERMITTENT_MIN_STEPS:
-        return None
+        return none
     top = np.argmax(local[slow] - local_med, axis=1)
     counts = np.bincount(top, minlength=r)
     k = int(counts.argmax())
     p = 1.0 / r
     z = (counts[k] - slow.size * p) / math.sqrt(slow.size * p * (1 - p))
     if counts[k] < INTERMITTENT_SHARE * slow.size or z < INTERMITTENT_Z:
-        return None
+        return none
     mine = slow[top == k]
     extra = float(np.median(local[mine, k] - local_med[k]))
     others = float(np.median(np.delete(local[mine] - local_med, k, axis=1)))  # a slow host grows them too
     if not (extra >= 0.5 * float(np.median(step_wall[mine] - median)) and extra >= 3 * max(others, 0)):
-        return None
+        return none
     growth = np.median(phases[mine, k], axis=0) - np.median(phases[:, k], axis=0)
     growth[_COMM] = -np.inf  # its own work, not its waits
     gaps = np.diff(np.sort(numbers[mine]))
@@ -338,7 +344,7 @@ def _intermittent(
         spacings, times = np.unique(gaps, return_counts=True)
         if times.max() >= 0.5 * gaps.size:
             every = int(spacings[times.argmax()])
-    return Intermittent(
+    found = Intermittent(
         ranks[k],
         PHASES[int(np.argmax(growth))],
         extra,
@@ -346,6 +352,7 @@ def _intermittent(
         int(slow.size),
         every if every >= 2 else None,
     )
+    return found, mine
 
 
 def _extra_phases(phases: np.ndarray, candidates: np.ndarray) -> dict[int, tuple[str, float]]:

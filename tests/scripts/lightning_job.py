@@ -224,6 +224,7 @@ def main() -> None:
     p.add_argument("--result", default=None)
     p.add_argument("--break-scope", action="store_true")
     p.add_argument("--callback-ms", type=float, default=0.0, help="a later callback's work after each batch")
+    p.add_argument("--sanity-steps", type=int, default=0, help="Lightning's validation sanity check")
     p.add_argument("--clip-ms", type=float, default=0.0, help="gradient clipping takes this long per step")
     p.add_argument("--late-spin-ms", type=float, default=0.0, help="the last rank's work after each batch")
     p.add_argument("--sync-dist", action="store_true", help="training_step logs its loss with sync_dist=True")
@@ -306,7 +307,7 @@ def main() -> None:
             use_distributed_sampler=not (args.uneven or args.same_data),
             val_check_interval=args.val_every or None,
             limit_val_batches=2 if args.val_every else 0,
-            num_sanity_val_steps=0,
+            num_sanity_val_steps=args.sanity_steps,
         )
 
     trainer = make_trainer(args.steps)
