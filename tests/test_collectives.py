@@ -148,3 +148,14 @@ def test_a_timed_method_equals_the_one_it_wraps_and_another_tools_wrapper_over_i
     strategy.reduce = theirs  # type: ignore[method-assign]
     untime_methods(strategy, ("reduce",))
     assert strategy.__dict__["reduce"] is theirs
+
+
+def test_a_pause_that_begins_inside_a_wait_does_not_leave_the_wait_open():
+    rec = StepRecorder(clock=FakeClock())
+    hooks = TorchHooks(rec, lambda exc: None)
+    rec.loop_top(int(Mark.DATA_BEGIN))
+    with collective_wait(hooks, lambda exc: None):
+        hooks.pause()  # (an evaluation that starts with a barrier, say)
+    hooks.resume()
+    marks = [Mark(m).name for m in rec._marks]
+    assert marks == ["DATA_BEGIN", "LOOP_COMM_BEGIN", "PAUSE_BEGIN", "LOOP_COMM_END", "PAUSE_END"], marks
