@@ -40,21 +40,29 @@ class _Hooks(Protocol):
 def collective_wait(hooks: _Hooks, on_error: Callable[[BaseException], None]) -> Iterator[None]:
     """Time inside is a wait in a collective. Its end is marked only where its start was, so a pause that
     begins inside it cannot leave the wait open to the step's end."""
-    marked = False
-    try:
-        marked = hooks.recording
-        if marked:
-            hooks.recorder.mark(_BEGIN)
-    except Exception as exc:
-        on_error(exc)
+    marked = _begin(hooks, on_error)
     try:
         yield
     finally:
         if marked:
-            try:
-                hooks.recorder.mark(_END)
-            except Exception as exc:
-                on_error(exc)
+            _end(hooks, on_error)
+
+
+def _begin(hooks: _Hooks, on_error: Callable[[BaseException], None]) -> bool:
+    try:
+        if hooks.recording:
+            hooks.recorder.mark(_BEGIN)
+            return True
+    except Exception as exc:
+        on_error(exc)
+    return False
+
+
+def _end(hooks: _Hooks, on_error: Callable[[BaseException], None]) -> None:
+    try:
+        hooks.recorder.mark(_END)
+    except Exception as exc:
+        on_error(exc)
 
 
 def time_methods(
@@ -83,8 +91,14 @@ class TimedMethod:
         self.method, self._hooks, self._on_error = method, hooks, on_error
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        with collective_wait(self._hooks, self._on_error):
+        marked = _begin(
+            self._hooks, self._on_error
+        )  # (not `collective_wait`: Lightning calls one every batch)
+        try:
             return self.method(*args, **kwargs)
+        finally:
+            if marked:
+                _end(self._hooks, self._on_error)
 
     def __eq__(self, other: object) -> bool:
         return bool(self.method == (other.method if isinstance(other, TimedMethod) else other))

@@ -74,7 +74,7 @@ def test_the_scopes_own_failure_in_a_mark_never_reaches_the_collective():
     errors: list[BaseException] = []
     with collective_wait(Broken(), errors.append):
         result = 42
-    assert result == 42 and [str(e) for e in errors] == ["broken clock", "broken clock"]
+    assert result == 42 and [str(e) for e in errors] == ["broken clock"]  # (no end for a start not marked)
 
 
 class Strategy:
