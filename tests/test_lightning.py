@@ -275,14 +275,7 @@ def test_gradient_clipping_is_other_not_optimizer(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     _run(
         JOB,
-        "--run-dir",
-        run_dir,
-        "--steps",
-        20,
-        "--clip-ms",
-        20,
-        "--result",
-        tmp_path / "r.json",
+        *("--run-dir", run_dir, "--steps", 20, "--clip-ms", 20, "--result", tmp_path / "r.json"),
         cwd=tmp_path,
     )
     rows = read_rows(run_dir)
