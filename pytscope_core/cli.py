@@ -322,7 +322,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     p = sub.add_parser("report", help="summarise a run directory")
-    p.add_argument("run_dir")
+    p.add_argument("run_dir", type=_path)
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument(
         "--fail-on", type=_severity, metavar="SEVERITY", help="exit 1 if a finding is at least this severe"
@@ -336,8 +336,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-dir", type=_path, default=None)
 
     p = sub.add_parser("compare", help="what changed between two runs (timing, phases, findings)")
-    p.add_argument("run_a")
-    p.add_argument("run_b")
+    p.add_argument("run_a", type=_path)
+    p.add_argument("run_b", type=_path)
     p.add_argument("--json", action="store_true", help="print the comparison as JSON")
     p.add_argument(
         "--fail-on-regression",
@@ -348,7 +348,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     p = sub.add_parser("scaling", help="throughput, speedup and efficiency over runs at 1, 2, 4 ... workers")
-    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    p.add_argument("run_dirs", nargs="+", type=_path, metavar="RUN_DIR")
     p.add_argument("--json", action="store_true", help="print the points as JSON")
     p.add_argument(
         "--plot", type=_path, metavar="FILE.png", help="write throughput and efficiency against workers"
@@ -363,7 +363,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     p = sub.add_parser("trace", help="per-rank timeline of phases in Chrome trace format (Perfetto)")
-    p.add_argument("run_dir")
+    p.add_argument("run_dir", type=_path)
     p.add_argument("-o", "--output", type=_path, required=True, metavar="FILE.json")
     p.add_argument(
         "--max-steps", type=int, default=20_000, help="keep only the latest N steps (default 20000)"

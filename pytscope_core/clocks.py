@@ -39,7 +39,7 @@ class CudaEventClock:
     whatever the training code has selected at that moment (`torch.cuda.stream(...)` may change it).
     Events are recycled from a pool once released (each event stamps one mark only: recording it again
     would move that mark). `to_ms` waits for the newest event (one synchronize) and measures every stamp
-    against the first one of the batch.
+    from the one before it.
     """
 
     def __init__(self, device: Any = None) -> None:
@@ -68,9 +68,14 @@ class CudaEventClock:
     def to_ms(self, stamps: Sequence[Any]) -> list[float]:
         if not stamps:
             return []
-        origin = stamps[0]
         stamps[-1].synchronize()
-        return [origin.elapsed_time(ev) for ev in stamps]
+        # Each stamp from the one before, summed in float64: `elapsed_time` is single precision, so measured
+        # from the window's first event, a step hours into a window would be rounded to ms or worse.
+        times, total = [0.0], 0.0
+        for before, ev in zip(stamps, stamps[1:], strict=False):
+            total += before.elapsed_time(ev)
+            times.append(total)
+        return times
 
     def release(self, stamps: Sequence[Any]) -> None:
         """Events the recorder will not read again go back to the pool (each once)."""

@@ -375,11 +375,8 @@ def place_mark(marks: list[int], n: int) -> int:
     """The latest of the first `n` marks, or, where that ends a collective of the loop's (a barrier, a metric's
     all-reduce), the mark before that collective began: where the loop is in the step's order, which the
     watchdog compares across ranks."""
-    if marks[n - 1] != _LOOP_COMM_END:
-        return marks[n - 1]
-    depth = 0
-    for i in range(n - 1, -1, -1):
+    depth, i = 0, n - 1
+    while i >= 0 and (depth or marks[i] == _LOOP_COMM_END):  # (back to back: the one before all of them)
         depth += (marks[i] == _LOOP_COMM_END) - (marks[i] == _LOOP_COMM_BEGIN)
-        if depth == 0:
-            return marks[i - 1] if i > 0 else marks[n - 1]
-    return marks[n - 1]
+        i -= 1
+    return marks[i] if i >= 0 and not depth else marks[n - 1]

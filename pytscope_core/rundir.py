@@ -396,6 +396,9 @@ def _load_run(root: Path, warmup: int | None) -> Run:
             problems.append(f"a torn last row of ranks/{f.name} dropped (killed while writing it)")
     w = int(meta.get("warmup", 5)) if warmup is None else warmup
     arrays = RunArrays.from_rows(rows, warmup=w)
+    duplicates = rows.shape[0] - int(np.isfinite(arrays.wall_ms).sum()) - arrays.replayed.shape[0]
+    if duplicates > 0:  # (the same rank's step twice in one launch: one is kept)
+        problems.append(f"{duplicates} duplicate row(s) of step records dropped")
     context = _context(meta, events, arrays, w, problems)
     if rank_reasons or failures:
         context = dataclasses.replace(
@@ -451,7 +454,7 @@ def is_run_file(root: Path, path: Path) -> bool:
     except (OSError, RuntimeError):  # (a link loop)
         return False
     if path.parent == root:
-        return path.name in RUN_FILES
+        return path.name in RUN_FILES + RUN_FOLDERS
     return any(path.is_relative_to(root / folder) for folder in RUN_FOLDERS)
 
 
@@ -486,8 +489,8 @@ _SETTINGS: dict[str, tuple[type, ...]] = {  # meta.json settings the analysis re
 }
 
 
-MAX_WORLD = 2**17
-"""More ranks than any job runs (131,072): a meta.json that says more is damaged, not read as that many."""
+MAX_WORLD = 2**18
+"""More ranks than any job runs (262,144): a meta.json that says more is damaged, not read as that many."""
 
 
 def _bad_settings(meta: dict[str, Any]) -> list[tuple[str, Any]]:

@@ -131,7 +131,8 @@ def classify_hang(
     if waiting and missing:
         syncs = max(int(beats[r]["syncs"]) for r in waiting) + 1
         step = max(_label(beats[r]) for r in waiting)
-        if allreduce == LOOP_WAIT and all(_working(beats.get(r), step, timeout_s) for r in missing):
+        waited = min(idle[r] for r in waiting)
+        if allreduce == LOOP_WAIT and all(_working(beats.get(r), step, timeout_s, waited) for r in missing):
             return _kept_waiting(beats, waiting, missing, step, timeout_s, idle, place)
         which = (
             allreduce
@@ -252,14 +253,21 @@ def _no_progress(
     )
 
 
-def _working(beat: dict[str, Any] | None, step: int, timeout_s: float) -> bool:
-    """A rank alive (its heartbeat fresh), in its training loop (not finished), at the waiting ranks' step
-    or past it: what it does between steps may be work of its own (a sample, a checkpoint on rank 0 only)."""
+BETWEEN_STEPS = ("after the optimizer step", "after a pause", "paused")
+"""Where a rank may do work of its own while the others wait in a collective of the loop's (a sample, a
+checkpoint on rank 0 only): between its optimizer step and the next batch."""
+
+
+def _working(beat: dict[str, Any] | None, step: int, timeout_s: float, waited_s: float) -> bool:
+    """A rank alive (its heartbeat fresh), between steps at the waiting ranks' step or past it, for less than
+    PAUSE_FACTOR timeouts (as long as a paused rank gets): what it does there may be work of its own. A rank
+    inside a step (its data, forward, backward) has provably not reached the collective the others wait in."""
     return (
         beat is not None
         and float(beat.get("age_s", 0.0)) < timeout_s
-        and beat["phase"] != "finished"
+        and beat["phase"] in BETWEEN_STEPS
         and _label(beat) >= step
+        and waited_s < PAUSE_FACTOR * timeout_s
     )
 
 
@@ -272,9 +280,9 @@ def _kept_waiting(
     idle: dict[int, float],
     place: Placement,
 ) -> Finding:
-    """Some ranks wait in a collective of the loop's while the others, alive at the same step, do something
-    else: work of some ranks only between steps looks the same as a rank stuck there. MED: the watchdog does
-    not end the job for it (a DDP all-reduce some rank never reached is proof: every rank does the same work
+    """Some ranks wait in a collective of the loop's while the others, alive between steps, do something else:
+    work of some ranks only between steps looks the same as a rank stuck there. MED, for up to PAUSE_FACTOR
+    timeouts, then HIGH (a DDP all-reduce some rank never reached is proof: every rank does the same work
     before it)."""
     few = len(missing) > 1
     return Finding(
@@ -287,8 +295,8 @@ def _kept_waiting(
             f"{'have' if len(waiting) > 1 else 'has'} been waiting in {LOOP_WAIT} for "
             f"{min(idle[r] for r in waiting):.0f} s; {_whereabouts(missing, beats, place)}: work of some ranks "
             "only between steps (a sample, a checkpoint, an evaluation outside `scope.paused()`) looks the same "
-            f"as a rank stuck there. pytscope does not end the job for this (hang_timeout {timeout_s:.0f} s; "
-            "stacks of every rank are in stacks/)."
+            f"as a rank stuck there. It becomes a HIGH hang at {PAUSE_FACTOR * timeout_s:.0f} s "
+            f"({PAUSE_FACTOR:.0f}x hang_timeout, as for a paused rank; stacks of every rank are in stacks/)."
         ),
         recommendation=(
             f"Read rank {missing[0]}'s stack in stacks/: if it is working, wrap that work in `scope.paused()` "
@@ -437,7 +445,9 @@ class Watchdog(threading.Thread):
         self._local_beat: dict[str, Any] = {}
         self._step_seen = (recorder.steps_done, _monotonic())
         self.slowest_step_s = 0.0  # longest gap between two step closes seen by this thread
-        self._reported = False  # rank 0: a hang is reported and no rank has progressed since
+        # Rank 0: the severity of the hang reported, while no rank has progressed since (a MED one that
+        # becomes provable is reported again, as HIGH).
+        self._reported: Severity | None = None
         self._hangs = 0  # rank 0: hangs reported (the flag's count)
         self._flag_seen = ""  # other ranks: the last flag acted on
 
@@ -497,11 +507,11 @@ class Watchdog(threading.Thread):
         rank idle at one place (MED: slow work looks the same). None: nothing new."""
         finding = self._check()
         if finding is None:
-            self._reported = False  # progress: the next hang is reported again
+            self._reported = None  # progress: the next hang is reported again
             return None
-        if self._reported:
+        if self._reported is not None and finding.severity <= self._reported:
             return None
-        self._reported = True
+        self._reported = finding.severity
         abort = self.on_hang == "abort" and finding.severity is Severity.HIGH
         self._raise_flag(abort)
         self._attempt("report the hang", self.report, finding)

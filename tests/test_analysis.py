@@ -9,6 +9,7 @@ import json
 import numpy as np
 import pytest
 from rich.console import Console
+from runfactory import phases_of
 
 from pytscope_core.analysis import analyze, diagnose, run_rules
 from pytscope_core.analysis.convergence import find_spikes, loss_trend, plateau_start, rise_start
@@ -303,6 +304,13 @@ def test_a_rank_slow_now_and_then_and_a_little_slower_always_is_billed_for_each_
     ph[9::10, 0, 3] += 100.0
     dist = analyze(RunArrays.from_arrays(ph), RunContext(world_size=2)).distributed
     assert dist.stragglers == (1,) and dist.lost_ms_per_step == pytest.approx(1.5)
+    # 5% slower in every step of 100 ms among 8 noisy ranks, and 100 ms more every 5th: its usual lag is
+    # billed in every step (its spikes included), so it stays named.
+    ph = phases_of(400, 8, {"forward": 40.0, "backward": 60.0}, seed=1, noise=0.02)
+    ph[:, 3, 1:3] *= 1.05
+    ph[::5, 3, 2] += 100.0
+    ph[:, :, 3] += ph.sum(axis=2).max(axis=1, keepdims=True) - ph.sum(axis=2)
+    assert analyze(RunArrays.from_arrays(ph), RunContext(world_size=8)).distributed.stragglers == (3,)
 
 
 @pytest.mark.parametrize("ranks", [4, 64])

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from pytscope_core import Scope
+from pytscope_core.clocks import CudaEventClock
 from pytscope_core.records import PHASES
 from pytscope_core.rundir import load_run
 
@@ -150,3 +151,18 @@ def test_each_cuda_event_stamps_one_mark_and_returns_to_the_pool_once(tmp_path, 
     backward = arrays.phases[:, 0, PHASES.index("backward")]
     # Every step sleeps 2 ms in other; a backward of microseconds passes 1.5 ms only when preempted.
     assert (other[5:] > 1.5).all() and np.quantile(backward[5:], 0.9) < 1.5
+
+
+def test_stamps_hours_into_a_window_keep_their_sub_millisecond_steps(two_gpus):
+    # `elapsed_time` is single precision: measured from a window's first event, a 0.1 ms step four hours in
+    # (a long pause inside the window) rounded to 0 or 1 ms. Each stamp from the one before keeps it.
+    class Float32Event(FakeEvent):
+        def elapsed_time(self, other: "FakeEvent") -> float:
+            return float(np.float32((other.t - self.t) * 1e3))
+
+    clock = CudaEventClock("cuda:0")
+    stamps = [Float32Event(enable_timing=True) for _ in range(4)]
+    for ev, t in zip(stamps, (0.0, 4 * 3600.0, 4 * 3600.0 + 1e-4, 4 * 3600.0 + 2e-4), strict=True):
+        ev.t = t
+    ms = clock.to_ms(stamps)
+    assert np.diff(ms)[1:] == pytest.approx([0.1, 0.1], rel=1e-3), ms

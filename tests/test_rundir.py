@@ -135,7 +135,10 @@ def test_rows_that_cannot_be_a_step_are_damage_and_rows_written_twice_are_not_a_
     w.close()
     run = load_run(tmp_path / "r")
     assert run.arrays.n_steps == 58 and run.arrays.replayed.shape[0] == 0  # no resume: nothing replayed
-    assert run.problems == ["4 corrupt row(s) of step records dropped"]
+    assert run.problems == [
+        "4 corrupt row(s) of step records dropped",
+        "116 duplicate row(s) of step records dropped",
+    ]
     assert summarize(run.arrays, run.context).to_dict()["run"]["restarts"] == 0
 
 
@@ -562,11 +565,13 @@ def test_outputs_never_overwrite_a_runs_own_files_nor_default_to_the_current_fol
     assert main(["scaling", str(run), "--plot", str(run / "meta.json")]) == 2
     assert "it is one of the run's own files" in capsys.readouterr().err
     assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()} == before
+    assert main(["trace", str(run), "-o", str(run / "ranks")]) == 2  # (where its ranks will write)
     assert main(["trace", str(run), "-o", str(run / "trace.json")]) == 0  # a file of its own there is fine
     for argv in (
         ["demo", "--run-dir", ""],
         ["report", str(run), "--plots", " "],
         ["trace", str(run), "-o", ""],
+        ["report", ""],
     ):
         assert main(argv) == 2
         assert "must not be empty" in capsys.readouterr().err

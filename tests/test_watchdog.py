@@ -95,21 +95,32 @@ def _beat(phase: str, step: int = 2) -> dict:
 def test_ranks_left_waiting_in_a_collective_of_the_loops_own_name_the_rank_they_wait_for():
     # Rank 1 waits in a barrier, a metric's all-reduce or Lightning's per-batch broadcast (timed); rank 0 is
     # alive at the same step after its optimizer step: work of rank 0 only between steps (a sample, a
-    # checkpoint) looks the same as rank 0 stuck there, so it is named, MED, and the job is not ended.
-    waiting = _beat(watchdog.LOOP_COLLECTIVE)
+    # checkpoint) looks the same as rank 0 stuck there, so it is named, MED, and the job is not ended, for up
+    # to as long as a paused rank gets (4 timeouts).
+    waiting = _beat(watchdog.LOOP_COLLECTIVE)  # idle 400 s
     f = classify_hang({0: _beat("after the optimizer step"), 1: waiting}, 2, 300.0)
     assert f is not None and f.severity.name == "MED" and f.ranks == (0,)
     assert f.title == "rank 0 kept the others waiting for 400 s", f.title
-    assert (
-        "waiting in a collective the training loop calls" in f.detail and "does not end the job" in f.detail
-    )
-    # Rank 0 left the loop, is a step behind, or its heartbeat went stale: it will not come. HIGH.
-    for gone in (_beat("finished"), _beat("forward", step=1), {**_beat("forward"), "age_s": 400.0}):
+    assert "waiting in a collective the training loop calls" in f.detail and "HIGH hang at 1200 s" in f.detail
+    # Rank 0 inside the step (its data, its forward: it never reached the metric's all-reduce in it), left
+    # the loop, is a step behind, its heartbeat went stale, or it kept them waiting 4 timeouts: HIGH.
+    for gone in (
+        _beat("data"),
+        _beat("forward"),
+        _beat("finished"),
+        _beat("after the optimizer step", step=1),
+        {**_beat("after the optimizer step"), "age_s": 400.0},
+    ):
         f = classify_hang({0: gone, 1: waiting}, 2, 300.0)
         assert f is not None and f.severity.name == "HIGH" and f.ranks == (0,), gone
         assert f.title == f"rank 0 never reached {watchdog.LOOP_WAIT}", f.title
+    f = classify_hang({0: _beat("after the optimizer step"), 1: waiting}, 2, 99.0)  # 400 s > 4 x 99 s
+    assert f is not None and f.severity.name == "HIGH"
     f = classify_hang({1: waiting}, 2, 300.0)  # no heartbeat at all
     assert f is not None and f.severity.name == "HIGH" and f.ranks == (0,)
+    beats = {0: _beat("forward"), 1: waiting}
+    warm_up = classify_hang(beats, 2, 300.0, collective_only=True)  # the warm-up rule takes it too
+    assert warm_up is not None and warm_up.severity.name == "HIGH" and warm_up.ranks == (0,)
 
 
 def test_after_a_collective_of_the_loops_a_rank_is_placed_where_it_was_before_it():
@@ -119,6 +130,9 @@ def test_after_a_collective_of_the_loops_a_rank_is_placed_where_it_was_before_it
     after = int(Mark.OPTIMIZER_END)
     assert place_mark([int(Mark.DATA_BEGIN), after, b, e], 4) == after
     assert place_mark([int(Mark.DATA_BEGIN), after, b, b, e, e], 6) == after  # nested: gather_for_metrics
+    assert (
+        place_mark([int(Mark.DATA_BEGIN), after, b, e, b, e], 6) == after
+    )  # back to back: two sync_dist logs
     assert place_mark([after, b, e, b], 4) == b  # inside the next one: in it
     assert place_mark([b, e], 2) == e  # nothing before it
 

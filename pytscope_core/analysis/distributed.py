@@ -267,7 +267,7 @@ def _distributed_timing(arrays: RunArrays, sel: np.ndarray) -> DistributedTiming
     typical = np.ones(n, dtype=bool)
     typical[its_steps] = False
     lost_ms, next_local = _straggler_cost(local[typical] if its_steps.size else local, is_candidate)
-    lost_share = lost_ms * int(typical.sum()) / total_wall if total_wall > 0 else 0.0
+    lost_share = lost_ms * n / total_wall if total_wall > 0 else 0.0  # (its usual lag, in every step)
     is_straggler = is_candidate & (lost_share >= STRAGGLER_MIN_COST_SHARE)
     comm_med = stats.median_over_steps(comm_all)
     wait_med = stats.median_over_steps(sync_wait)
