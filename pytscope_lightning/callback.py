@@ -190,9 +190,8 @@ class ScopeCallback(Callback):
     def on_before_optimizer_step(
         self, scope: Scope, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
     ) -> None:
-        if (
-            not self._optimizer_after_clipping
-        ):  # (a Lightning without the precision plugin's `_after_closure`)
+        # Only on a Lightning without the precision plugin's `_after_closure` (else marked where it ends).
+        if not self._optimizer_after_clipping:
             scope.hooks.optimizer_begin()
 
     @_guarded
