@@ -228,16 +228,20 @@ def discount_peer_pauses(phases: np.ndarray, wall: np.ndarray, excluded: np.ndar
     """Time a rank spent waiting in the all-reduce for a peer that was paused (evaluation or a checkpoint on
     rank 0 only) is no more a training phase than the pause itself: move it from `comm` to excluded, in
     place. The wait falls in the pausing rank's step or the next one, so a rank may discount up to the
-    largest pause any rank took in those two steps, less its own pause."""
+    largest pause another rank took in those two steps, less the time it was paused itself in them: ranks
+    that pause together wait for no one, and a rank's own pause never made it wait."""
     with np.errstate(invalid="ignore"):
         paused = np.nan_to_num(excluded, nan=0.0)
-    if paused.size == 0 or not (paused > 0).any():
+    if paused.ndim != 2 or paused.shape[1] < 2 or not (paused > 0).any():
         return
-    window = paused.max(axis=1)
-    window[1:] = np.maximum(window[1:], window[:-1])
+    largest, own = paused.copy(), paused.copy()  # each rank's largest pause, and its time paused, in the
+    largest[1:] = np.maximum(paused[1:], paused[:-1])  # step and the one before
+    own[1:] += paused[:-1]
+    ranked = np.sort(largest, axis=1)  # another rank's largest: the largest, or, for the rank that took
+    others = np.where(largest >= ranked[:, -1:], ranked[:, -2:-1], ranked[:, -1:])  # it, the next one
     comm = phases[:, :, _COMM]
     with np.errstate(invalid="ignore"):
-        shift = np.clip(np.minimum(comm, window[:, None] - paused), 0.0, None)
+        shift = np.clip(np.minimum(comm, others - own), 0.0, None)
     shift = np.nan_to_num(shift, nan=0.0)
     phases[:, :, _COMM] -= shift
     wall -= shift

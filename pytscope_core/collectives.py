@@ -7,21 +7,55 @@ in the phase it falls in, it made the rank everyone waits for look no slower tha
 (local work = wall - comm). Each wait is marked as a nested wait (LOOP_COMM_BEGIN/END, attributed as FSDP's
 collectives are), in whatever phase it falls; outside recording (a pause, between epochs) nothing is marked.
 A rank left waiting in one by a rank that never came is a hang the watchdog can prove.
-Integrations time their framework's collectives by wrapping the methods on the instance (`time_methods`);
-a plain loop wraps its own calls in `Scope.collective()`.
+Integrations time their framework's collectives by wrapping the methods on the instance (`time_methods`).
+torch.distributed's own blocking collectives (`dist.barrier()`, `dist.all_reduce(loss)`) are timed while a
+scope records, when the loop calls them on its own thread (`TorchCollectives`); anything else the loop waits
+in (an asynchronous collective's `wait()`, another library's) it wraps in `Scope.collective()`. A wait inside
+another is marked once, by the outer one.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
+import sys
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Protocol
 
+from .compiled import is_compiling_function
 from .timeline import Mark
 
 _BEGIN = int(Mark.LOOP_COMM_BEGIN)
 _END = int(Mark.LOOP_COMM_END)
+
+# torch.distributed's blocking collectives a training loop calls itself (point-to-point calls are not waits
+# for every rank, and the asynchronous form of these returns before the wait).
+TORCH_COLLECTIVES = (
+    "barrier",
+    "monitored_barrier",
+    "all_reduce",
+    "reduce",
+    "broadcast",
+    "all_gather",
+    "all_gather_into_tensor",
+    "gather",
+    "scatter",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "all_to_all",
+    "all_to_all_single",
+    "all_gather_object",
+    "gather_object",
+    "broadcast_object_list",
+    "scatter_object_list",
+)
+# Callers whose calls are not the loop's: torch's own (FSDP2's collectives, timed by `fsdp.py`; DDP's join;
+# the distributed optimizers; a collective built on another) and the scope's.
+_NOT_THE_LOOPS = ("torch.", "pytscope_core.")
+
+_inside = threading.local()  # `.wait`: this thread is in a wait already marked (an outer one marks alone)
 
 
 class _Recorder(Protocol):
@@ -50,8 +84,9 @@ def collective_wait(hooks: _Hooks, on_error: Callable[[BaseException], None]) ->
 
 def _begin(hooks: _Hooks, on_error: Callable[[BaseException], None]) -> bool:
     try:
-        if hooks.recording:
+        if hooks.recording and not getattr(_inside, "wait", False):
             hooks.recorder.mark(_BEGIN)
+            _inside.wait = True
             return True
     except Exception as exc:
         on_error(exc)
@@ -59,6 +94,7 @@ def _begin(hooks: _Hooks, on_error: Callable[[BaseException], None]) -> bool:
 
 
 def _end(hooks: _Hooks, on_error: Callable[[BaseException], None]) -> None:
+    _inside.wait = False
     try:
         hooks.recorder.mark(_END)
     except Exception as exc:
@@ -127,3 +163,83 @@ def restore_method(owner: Any, name: str, marker: str) -> None:
         del owner.__dict__[name]
     else:
         setattr(owner, name, previous)
+
+
+class TorchCollectives:
+    """Times torch.distributed's blocking collectives (`TORCH_COLLECTIVES`) that the loop calls on the thread
+    that installed it, for as long as it is installed. One wrapper per function serves every installed
+    scope (the latest on the calling thread marks); the last to leave puts torch's functions back, unless
+    another tool wrapped one since (ours, inside it, then marks nothing)."""
+
+    _installed: list[TorchCollectives] = []
+    _wrappers: dict[str, Callable[..., Any]] = {}
+
+    def __init__(self, hooks: _Hooks, on_error: Callable[[BaseException], None]) -> None:
+        self.hooks, self.on_error = hooks, on_error
+        self.thread = threading.get_ident()
+
+    def install(self) -> None:
+        try:
+            import torch.distributed as dist
+        except ImportError:
+            return
+        if self in self._installed or not dist.is_available():
+            return
+        if not self._installed:
+            for name in TORCH_COLLECTIVES:
+                function = getattr(dist, name, None)
+                if callable(function):
+                    self._wrappers[name] = wrapper = _timed_collective(function)
+                    setattr(dist, name, wrapper)
+        self._installed.append(self)
+
+    def remove(self) -> None:
+        if self not in self._installed:
+            return
+        self._installed.remove(self)
+        if self._installed:
+            return
+        import torch.distributed as dist
+
+        for name, wrapper in self._wrappers.items():
+            if getattr(dist, name, None) is wrapper:
+                setattr(dist, name, wrapper.__wrapped__)  # type: ignore[attr-defined]
+        self._wrappers.clear()
+
+    @classmethod
+    def on_this_thread(cls) -> TorchCollectives | None:
+        thread = threading.get_ident()
+        for installed in reversed(cls._installed):
+            if installed.thread == thread:
+                return installed
+        return None
+
+
+def _timed_collective(function: Callable[..., Any]) -> Callable[..., Any]:
+    """`function` (a torch.distributed collective), with its blocking calls from the loop timed as waits."""
+    try:
+        parameters = list(inspect.signature(function).parameters)
+    except (TypeError, ValueError):
+        parameters = []
+    at = parameters.index("async_op") if "async_op" in parameters else None
+    is_compiling = is_compiling_function()
+
+    @functools.wraps(function)
+    def collective(*args: Any, **kwargs: Any) -> Any:
+        timed = None if is_compiling() else TorchCollectives.on_this_thread()
+        if (
+            timed is None
+            or getattr(_inside, "wait", False)  # (inside a framework's collective, timed already)
+            or kwargs.get("async_op", at is not None and len(args) > at and args[at])
+            or sys._getframe(1).f_globals.get("__name__", "").startswith(_NOT_THE_LOOPS)
+        ):
+            return function(*args, **kwargs)
+        marked = _begin(timed.hooks, timed.on_error)
+        try:
+            return function(*args, **kwargs)
+        finally:
+            if marked:
+                _end(timed.hooks, timed.on_error)
+
+    collective.pytscope_collective = True  # type: ignore[attr-defined]
+    return collective

@@ -187,8 +187,8 @@ class Scope:
         return _between(self.pause, self.resume)
 
     def collective(self) -> contextlib.AbstractContextManager[None]:
-        """Time inside is a wait in a collective the loop calls itself (`dist.barrier()`, a metric's all-reduce):
-        communication, not this rank's own work, so the rank the others wait for there is named."""
+        """Time inside is a wait of the loop's that nothing else times (an asynchronous collective's `wait()`,
+        another library's collective): comm, not this rank's own work, so the rank waited for is named."""
         return collective_wait(self.hooks, self.fail)
 
     # -- what the user and integrations tell the scope ------------------------------------------------

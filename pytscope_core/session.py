@@ -2,10 +2,10 @@
 
 `Scope.start()` creates it (collectively): the `Coordinator` agrees on the run directory and tells rank 0
 where every rank runs; on rank 0 the `RunReporter` opens it and `LiveDiagnosis` starts on its own ingest
-thread (`BackgroundIngest`); every rank starts its hang `Watchdog` and chains SIGTERM. From then on the
-session gathers every `interval` steps, and at the end either meets the other ranks for a final gather
-(`finish`) or, when they may be gone, leaves its own rows behind (`stop`); rank 0 drains its ingest thread
-before the summary reads the run.
+thread (`BackgroundIngest`); every rank starts its hang `Watchdog`, chains SIGTERM and times the loop's
+torch.distributed collectives (`TorchCollectives`). From then on the session gathers every `interval` steps,
+and at the end either meets the other ranks for a final gather (`finish`) or, when they may be gone, leaves
+its own rows behind (`stop`); rank 0 drains its ingest thread before the summary reads the run.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .clocks import CudaEventClock
+from .collectives import TorchCollectives
 from .context import Segment
 from .coordinator import default_store, dist_alive
 from .findings import Finding
@@ -60,6 +61,7 @@ class RunSession:
         self.own_rows = OwnRows(scope, self.run_dir, self._epoch_offset)
         self._sigterm = SigtermChain(self._on_sigterm)
         self._sigterm.install()
+        self._collectives = TorchCollectives(scope.hooks, scope.fail)  # the loop's `dist.barrier()`, ...
         if scope.options.hang_timeout is not None:
             self._start_watchdog()
         try:
@@ -67,6 +69,7 @@ class RunSession:
         except Exception:
             self.release()  # (the scope disables itself: what this session opened is closed first)
             raise
+        self._collectives.install()
 
     def _check_shards(self) -> None:
         """DATA.UNEVEN_SHARDS from every rank's watched loader (collective: every rank runs the same loop, so
@@ -328,6 +331,7 @@ class RunSession:
     def release(self) -> None:
         self.stop_watching()
         self._sigterm.restore()
+        self._collectives.remove()
         if self.ingest is not None:
             self.ingest.close(timeout_s=HANG_DRAIN_S)
         if self.reporter is not None:

@@ -97,6 +97,12 @@ def _main(rank: int, world: int, port: int, o: dict[str, Any]) -> None:
             opt.step()
         opt.zero_grad()
         scope.log(loss=loss)
+        if slow and o.get(
+            "spin_after_ms"
+        ):  # after its optimizer step: the others wait in the next collective
+            spin(o["spin_after_ms"])
+        if o.get("loss_all_reduce"):  # the mean loss for logging, as many scripts compute it
+            dist.all_reduce(loss.detach())
         if slow and step == o.get("block_after"):  # after its optimizer step: the others reach the gather
             spin(3600e3)
     if rank == 0 and o.get("late_finish_ms"):  # e.g. a final evaluation on rank 0 only

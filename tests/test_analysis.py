@@ -1135,3 +1135,29 @@ def test_one_nan_on_the_last_step_is_not_a_loss_that_stayed_non_finite():
     loss[-3:] = np.inf  # three: it stayed
     arrays = RunArrays.from_arrays(np.ones((200, 1, 6)), loss=loss)
     assert analyze(arrays, RunContext(world_size=1)).convergence.trend.trend == "non-finite"
+
+
+def _discounted(comm: list[list[float]], paused: list[list[float]]) -> tuple[np.ndarray, np.ndarray]:
+    """`discount_peer_pauses` on steps x ranks of comm and pause times: (comm, excluded) after it."""
+    from pytscope_core.arrays import _COMM, discount_peer_pauses
+
+    c, excluded = np.array(comm, dtype=float), np.array(paused, dtype=float)
+    phases = np.zeros((*c.shape, 6))
+    phases[:, :, _COMM] = c
+    wall = c + 1.0
+    discount_peer_pauses(phases, wall, excluded)
+    assert np.allclose(wall + excluded, c + 1.0 + np.array(paused))  # time moves, none is lost
+    return phases[:, :, _COMM], excluded
+
+
+def test_only_a_wait_for_another_ranks_pause_is_discounted():
+    # Rank 0 evaluates alone (50 ms) in step 1: rank 1's waits in steps 1 and 2 are the pause's, rank 0's own
+    # comm in the step after its pause is not.
+    comm, _ = _discounted([[1, 1], [0, 40], [5, 20], [5, 5]], [[0, 0], [50, 0], [0, 0], [0, 0]])
+    assert comm.tolist() == [[1, 1], [0, 0], [5, 0], [5, 5]]
+    # Every rank evaluates together: nobody waited for anybody.
+    comm, _ = _discounted([[1, 1], [2, 2], [5, 20]], [[0, 0], [50, 50], [0, 0]])
+    assert comm.tolist() == [[1, 1], [2, 2], [5, 20]]
+    # One rank alone has no peer to wait for.
+    comm, excluded = _discounted([[3], [4]], [[50], [0]])
+    assert comm.tolist() == [[3], [4]] and excluded.tolist() == [[50], [0]]

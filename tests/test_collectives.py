@@ -10,7 +10,13 @@ from typing import Any
 import pytest
 from test_recorder import FakeClock
 
-from pytscope_core.collectives import collective_wait, time_methods, untime_methods
+from pytscope_core.collectives import (
+    TORCH_COLLECTIVES,
+    TorchCollectives,
+    collective_wait,
+    time_methods,
+    untime_methods,
+)
 from pytscope_core.hooks import TorchHooks
 from pytscope_core.recorder import StepRecorder
 from pytscope_core.records import COL
@@ -126,6 +132,66 @@ def test_a_plain_loops_own_barrier_is_comm(tmp_path):
     scope.finish()
     comm = load_run(tmp_path).arrays.comm_ms[:, 0]
     assert (comm >= 15.0).all(), comm
+
+
+def test_the_loops_own_torch_collectives_are_waits_while_the_scope_records(tmp_path, one_rank_group):
+    import threading
+
+    import torch
+    import torch.distributed as dist
+
+    from pytscope_core import Scope
+    from pytscope_core.rundir import load_run
+
+    originals = {name: getattr(dist, name) for name in TORCH_COLLECTIVES if hasattr(dist, name)}
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scope = Scope(tmp_path, console=False, hang_timeout=None).watch(model, opt)
+    waits = []
+    for _ in range(5):
+        loss = model(torch.randn(2, 4)).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        total = loss.detach().clone()
+        dist.all_reduce(total)  # a wait
+        dist.all_reduce(total, async_op=True).wait()  # returns before its wait: not one
+        dist.all_reduce(total, dist.ReduceOp.SUM, None, True).wait()  # (the same, positionally)
+        with scope.collective():
+            dist.barrier()  # one wait, marked once
+        with scope.paused():
+            dist.barrier()  # not the step's
+        other = threading.Thread(target=dist.all_gather_object, args=([None], 1))
+        other.start()  # another thread's: not the loop's
+        other.join()
+        waits.append(scope.recorder._marks.count(int(Mark.LOOP_COMM_BEGIN)))
+    scope.finish()
+    assert waits == [2] * 5
+    assert {name: getattr(dist, name) for name in originals} == originals  # torch's own functions again
+    comm = load_run(tmp_path).arrays.comm_ms[:, 0]
+    assert (comm > 0).all(), comm
+
+
+def test_torch_collectives_are_put_back_by_the_last_scope_and_left_inside_another_tools_wrapper():
+    import torch.distributed as dist
+
+    rec = StepRecorder(clock=FakeClock())
+    hooks = TorchHooks(rec, lambda exc: None)
+    original = dist.barrier
+    first, second = TorchCollectives(hooks, lambda exc: None), TorchCollectives(hooks, lambda exc: None)
+    first.install()
+    ours = dist.barrier
+    second.install()
+    assert ours is not original and dist.barrier is ours and ours.__wrapped__ is original
+    first.remove()
+    assert dist.barrier is ours  # the second scope still records
+    second.remove()
+    assert dist.barrier is original
+    first.install()
+    dist.barrier = theirs = functools.wraps(dist.barrier)(lambda *a, **k: None)  # another tool's, over ours
+    first.remove()
+    assert dist.barrier is theirs
+    dist.barrier = original
 
 
 def test_a_timed_method_equals_the_one_it_wraps_and_another_tools_wrapper_over_it_stays():

@@ -51,6 +51,16 @@ def test_busy_waiting_rank_is_named_and_its_wait_is_not_communication(tmp_path):
     assert s["distributed"]["transfer_ms"] < fast["comm_ms"] - 0.6 * lag
 
 
+def test_a_rank_that_makes_the_others_wait_in_the_loops_own_all_reduce_is_named(tmp_path):
+    # Its extra work comes after its gradient all-reduce: the others wait for it in the loop's
+    # `dist.all_reduce(loss)` instead, which, counted as their own work, made every rank look alike.
+    ddp_worker.run(2, dict(run_dir=str(tmp_path), steps=150, spin_after_ms=10.0, loss_all_reduce=True))
+    s = report(tmp_path)
+    assert s["distributed"]["stragglers"] == [1], s["distributed"]
+    fast, slow = s["distributed"]["per_rank"]
+    assert slow["local_ms"] - fast["local_ms"] > 4.0 and fast["sync_wait_ms"] > 4.0, s["distributed"]
+
+
 def test_healthy_run_is_clean(tmp_path):
     # Each step does 10 ms of work by the wall clock on both ranks, against a ~0.3 ms all-reduce that another
     # process on the cores can stretch by a millisecond or two without making the job communication-bound.
