@@ -51,7 +51,7 @@ class AccelerateScope:
         previous = _LIVE.get(accelerator)
         if previous is not None:  # an exception left its loop and was caught: it would watch a hang
             previous.stop("a new AccelerateScope took over its accelerator (the training loop started again)")
-            _unregister(accelerator, previous)
+        _unregister_ended(accelerator)
         _LIVE[accelerator] = self
         self._models: list[Any] = []  # the models given to watch()
         time_methods(accelerator, COLLECTIVES, self.scope.hooks, self.scope.fail)
@@ -131,12 +131,14 @@ def _then(first: Callable[[], None] | None, then: Callable[[], None]) -> Callabl
     return both
 
 
-def _unregister(accelerator: Any, scope: AccelerateScope) -> None:
-    """Take an ended scope out of `accelerator.save_state`'s objects: the new one, registered next, takes its
-    place as in a process that registers once, and a checkpoint does not carry the ended run's state."""
+def _unregister_ended(accelerator: Any) -> None:
+    """Take the ended scopes (one taken over, or finished before a second training in the process) out of
+    `accelerator.save_state`'s objects: the new one, registered next, takes their place as in a process that
+    registers once, so a checkpoint neither carries an ended run's state nor fails to load where the new
+    run registers one scope."""
     objects = getattr(accelerator, "_custom_objects", None)
     if isinstance(objects, list):
-        objects[:] = [o for o in objects if o is not scope]
+        objects[:] = [o for o in objects if not (isinstance(o, AccelerateScope) and o.scope.finished)]
 
 
 def _precision(accelerator: Any) -> str | None:

@@ -17,6 +17,7 @@ learns that branch's first gradients.
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -75,6 +76,9 @@ class BackwardTimer:
         self._trial_left = OUTPUT_TRIAL  # backwards left in which both hooks fire and their gap is measured
         self._output_ns = 0  # a trial backward: when the gradient reached the output (0: not yet)
         self._gaps: list[int] = []  # the trial's output-to-first-parameter gaps, in ns
+        self._output_began = 0  # the trial's backwards that the output's pre-hook began
+        self._grad_before: Any = None  # a synced forward's first parameter's gradient (`_grad_state`)
+        self._graph_task: Callable[[], int] = lambda: 0  # the autograd graph task running (-1: none)
 
     def watch(self, model: Any, grad_hooks: bool = True) -> None:
         """Hook the parameters of `model` whose gradients become ready first: they begin the backwards that
@@ -89,6 +93,7 @@ class BackwardTimer:
         backward is timed from the output's pre-hook alone.
         """
         self._queue_callback = _engine_queue_callback()
+        self._graph_task = _graph_task_function()
         if not grad_hooks:
             return
         params = [p for p in model.parameters() if p.requires_grad]
@@ -116,6 +121,8 @@ class BackwardTimer:
         self.settle()
         self._sync_pending = grad_sync
         self._awaiting = True
+        if grad_sync and self._params:
+            self._grad_before = _grad_state(self._params[0])
         t = (
             first_grad_tensor(output)
             if output is not None and (self._output_hook or not self._params)
@@ -135,7 +142,12 @@ class BackwardTimer:
         self._awaiting = False
         if self._sync_pending:
             self._sync_pending = False
-            self.recorder.count_grad_sync()
+            # Unless no backward ran at all (the loop skipped the batch after an error on some rank): a
+            # synced backward wrote the gradients on every rank, whichever parameters it reached.
+            if not self._params or _grad_changed(self._params[0], self._grad_before):
+                self.recorder.count_grad_sync()
+            else:
+                self.recorder.forward_untrained()
         if self._params and self._ready_order is None and self._relearn_left > 0:
             self._relearn_left -= 1
             self._relearning = True
@@ -146,6 +158,16 @@ class BackwardTimer:
             handle.remove()
         self._grad_hooks.clear()
         self._params.clear()
+
+    def running(self) -> bool:
+        """Whether the backward that began is still running: a forward now is its recomputation. One that
+        raised (an out-of-memory error the loop then skips) never ran the engine's callbacks: it ends where
+        the next forward finds no backward executing, and its gradient sync never happened."""
+        if self.in_backward and self._graph_task() == -1:
+            self.in_backward = False
+            self._sync_pending = False
+            self.recorder.mark(_BACKWARD_END)
+        return self.in_backward
 
     def begin(self) -> None:
         """Start of backward (the first gradient is ready): queue the graph-done callback."""
@@ -176,6 +198,7 @@ class BackwardTimer:
                 self._from_output = True
                 if self._trial_left and self._params:
                     self._output_ns = time.perf_counter_ns()
+                    self._output_began += 1
                 self.begin()
         except Exception as exc:
             self._on_error(exc)
@@ -205,7 +228,9 @@ class BackwardTimer:
         registering it (`OUTPUT_MIN_GAP_NS`)."""
         device_clock = not isinstance(self.recorder.clock, HostClock)
         gaps = sorted(self._gaps)
-        self._output_hook = device_clock or bool(gaps) and gaps[len(gaps) // 2] >= OUTPUT_MIN_GAP_NS
+        # (No parameter gradient after the output's: `torch.autograd.grad` accumulates none.)
+        unseen = not gaps and self._output_began > 0
+        self._output_hook = device_clock or unseen or bool(gaps) and gaps[len(gaps) // 2] >= OUTPUT_MIN_GAP_NS
         if self._output_hook:
             self._kept.clear()  # a branch the pre-hook misses is learnt again when one goes unseen
             if self._ready_order is None:  # (else the learning under way prunes them)
@@ -247,6 +272,26 @@ class BackwardTimer:
             self._on_error(exc)
         finally:
             self.in_backward = False
+
+
+def _grad_state(param: Any) -> tuple[Any, int] | None:
+    """`param`'s gradient as (a weak reference to the tensor, its version), or None."""
+    grad = param.grad
+    return None if grad is None else (weakref.ref(grad), grad._version)
+
+
+def _grad_changed(param: Any, before: tuple[Any, int] | None) -> bool:
+    grad = param.grad
+    if grad is None or before is None:
+        return (grad is None) != (before is None)
+    return before[0]() is not grad or before[1] != grad._version
+
+
+def _graph_task_function() -> Callable[[], int]:
+    """torch's id of the autograd graph task running on this thread (-1: none); 0 always if it has none."""
+    import torch
+
+    return getattr(torch._C, "_current_graph_task_id", lambda: 0)  # type: ignore[no-any-return]
 
 
 def _engine_queue_callback() -> Callable[[Callable[[], None]], None]:

@@ -139,7 +139,7 @@ class TorchHooks:
         all-gathers and reduce-scatters of its sharded units (`fsdp.FSDPCommTimer`)."""
         units = fsdp2_units(model)
         if units and self.sharded is None:
-            recording, in_backward = (lambda: self.recording), (lambda: self.backward.in_backward)
+            recording, in_backward = (lambda: self.recording), (lambda: self.backward.running())
             self.sharded = FSDPCommTimer(self.recorder, recording, in_backward, self._on_error)
             self.sharded.watch(units)
         self.backward.watch(model, grad_hooks=not units)
@@ -191,7 +191,7 @@ class TorchHooks:
             if (
                 is_compiling()
                 or not self.recording
-                or backward.in_backward
+                or backward.running()
                 or not module.training
                 or not is_grad_enabled()
             ):

@@ -240,12 +240,10 @@ class LiveDiagnosis:
             )
 
     def _check_replicas(self, headers: np.ndarray, step: int) -> None:
+        from .analysis.rules import replicas_differ
+
         sums = headers[:, 4]
-        if (
-            len(sums) > 1
-            and np.isfinite(sums).all()
-            and np.ptp(sums) > 1e-9 * max(1.0, float(np.abs(sums).max()))
-        ):
+        if len(sums) > 1 and np.isfinite(sums).all() and replicas_differ(sums):
             check = ReplicaCheck(step, tuple(float(s) for s in sums))
             self.replica_checks.append(check)
             self.reporter.writer.event("replica_check", step=check.step, checksums=list(check.checksums))
@@ -433,7 +431,7 @@ def metrics(analysis: RunAnalysis | Summary, findings: list[Finding]) -> dict[st
         "pytscope/step_ms": analysis.timing.median_ms,
         "pytscope/comm_share": shares.get("comm"),
         "pytscope/data_share": shares.get("data"),
-        "pytscope/lost_to_imbalance": analysis.distributed.lost_to_imbalance,
+        "pytscope/lost_to_imbalance": analysis.distributed.effective.lost_to_imbalance,
         "pytscope/mfu": analysis.efficiency.mfu,
         "pytscope/findings_high": sum(f.severity == Severity.HIGH for f in findings),
         "pytscope/findings_med": sum(f.severity == Severity.MED for f in findings),

@@ -62,7 +62,7 @@ def plot_local_work(run: Run, summary: Summary, path: Path) -> Path:
     a = run.arrays
     fig, ax = _figure()
     x, local = block_reduce(a.steps, np.asarray(a.local_ms, dtype=np.float64), MAX_POINTS)
-    stragglers = set(summary.distributed.stragglers)
+    stragglers = set(summary.distributed.effective.stragglers)
     if a.world_size <= MAX_RANK_LINES:
         shown = list(range(a.world_size))
     else:

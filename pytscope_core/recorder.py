@@ -161,6 +161,11 @@ class StepRecorder:
     def count_grad_sync(self) -> None:
         self._step_syncs += 1
 
+    def forward_untrained(self) -> None:
+        """The open step's last forward had no backward (the loop skipped its batch): no micro-batch."""
+        if self.in_step and self._step_micro:
+            self._step_micro -= 1
+
     def set_loss(self, loss: Any) -> None:
         """A loss logged in the open step, one of those whose mean is the step's (see `step_losses`)."""
         if loss is not None:
@@ -192,10 +197,6 @@ class StepRecorder:
         self.wants_fingerprint = False
         self._stepped = False
         self._marks, self._stamps = [], []
-
-    @property
-    def stopped(self) -> bool:
-        return self._stopped
 
     @property
     def host_start_ns(self) -> int:

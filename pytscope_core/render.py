@@ -227,6 +227,7 @@ def render_distributed(summary: Summary) -> RenderableType:
         return Group(_section("Distributed"), Text("one rank's step records: nothing to compare"))
     if not d.comm_measured:
         return Group(_section("Distributed"), Text(d.note or "communication not measured"))
+    counted = d.effective  # the marked ranks are the stragglers that count, late ones included
     head = Text(
         f"transfer {_num(d.transfer_ms)} ms in the median step, {100 * d.transfer_share:.1f}% of all wall time; sync wait "
         f"{100 * d.sync_wait_share:.1f}%, persistent stragglers cost {100 * d.lost_to_imbalance:.1f}% "
@@ -255,7 +256,7 @@ def render_distributed(summary: Summary) -> RenderableType:
             _num(r.comm_ms),
             _num(r.sync_wait_ms),
             f"{100 * r.critical_share:.0f}%",
-            "◀ straggler" if r.straggler else "",
+            "◀ straggler" if r.rank in counted.stragglers else "",
         )
     parts: list[RenderableType] = [
         _section("Distributed"),

@@ -216,6 +216,11 @@ class RunSession:
         if self._watchdog is not None:
             self._watchdog.status = "gather"
         self.own_rows.in_flight = rows
+        threaded = self.ingest is not None and self.ingest.threaded
+        if (
+            self.live is not None and threaded
+        ):  # (a slow tracker: the others wait in the exchange, not a step)
+            self.live.publish_metrics(scope.step_label())  # the diagnosis done on the ingest thread since
         try:
             ex = scope.coordinator.exchange(counters, rows)
             self.own_rows.in_flight = None
@@ -235,9 +240,8 @@ class RunSession:
             gathers, step = scope.coordinator.gathers, scope.step_label()
             scalars = scope.scalars.take(scope.segment)
             self.ingest.submit(Gathered(ex.headers, ex.rows, gathers, step, final, scalars, learnt))
-            # The latest diagnosis's metrics, on this (the training) thread: this gather's when it was
-            # diagnosed in place (one process), else an earlier one's, done on the ingest thread since.
-            self.live.publish_metrics(step)
+            if not threaded:  # diagnosed in place (one process): this gather's, on the training thread
+                self.live.publish_metrics(step)
 
     def _checksum(self) -> float:
         """A cheap fingerprint of the replicated parameters; DDP replicas must agree bit for bit."""

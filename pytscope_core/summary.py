@@ -140,7 +140,7 @@ class Summary:
                     }
                     for i, r in enumerate(d.per_rank)
                 ],
-                "stragglers": list(d.stragglers or (d.late.stragglers if d.late else ())),
+                "stragglers": list(d.effective.stragglers),
                 "late": {  # no straggler over the whole run; one from `since` on (`stragglers` names it too)
                     "since": d.late.since,
                     "stragglers": list(d.late.stragglers),

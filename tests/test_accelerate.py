@@ -408,3 +408,34 @@ def test_a_prepared_model_that_trains_unwatched_is_said_at_the_first_forward(tmp
         notes = " ".join(scope.scope.notes)
         assert ("returned 1 more model(s) that train than watch() was given (Linear)" in notes) == said, notes
         scope.finish()
+
+
+def test_a_finished_scope_leaves_the_checkpoint_to_the_next_training_in_the_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two trainings in one process (as `free_memory()` is documented for): the first scope finished, still
+    registered, made the second run's checkpoints carry two objects, which a resume registering one refused."""
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "1")
+    import torch
+    from accelerate import Accelerator
+
+    from pytscope_accelerate import AccelerateScope
+
+    accelerator = Accelerator()
+    for name in ("first", "second"):
+        model, optimizer, loader = prepared_regression(accelerator, steps=6, batch=8)
+        scope = AccelerateScope(accelerator, tmp_path / name, console=False, hang_timeout=None)
+        accelerator.register_for_checkpointing(scope)
+        scope.watch(model, optimizer, loader)
+        for xb, yb in loader:
+            accelerator.backward(torch.nn.functional.mse_loss(model(xb), yb))
+            optimizer.step()
+            optimizer.zero_grad()
+        if name == "first":
+            scope.finish()
+            accelerator.free_memory()
+    accelerator.save_state(str(tmp_path / "ckpt"))
+    scope.finish()
+    assert accelerator._custom_objects == [scope]
+    assert len(list((tmp_path / "ckpt").glob("custom_checkpoint_*.pkl"))) == 1
+    accelerator.end_training()

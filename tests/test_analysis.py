@@ -653,17 +653,19 @@ def test_desync_from_counts_and_from_grad_syncs():
     arrays = RunArrays.from_arrays(
         np.asarray(base.phases), loss=np.asarray(base.loss[:, 0]), grad_syncs=syncs
     )
-    found = [f for f in diagnose(arrays, ctx, strict=True) if f.code == "DIST.DESYNC"]
-    assert {f.ranks for f in found} == {(2,), (1,)}
-    from_arrays = next(f for f in found if f.ranks == (1,))
-    assert from_arrays.steps == (71,) and from_arrays.severity == Severity.HIGH
+    # One problem, one finding: the per-step divergence, which names the step, is kept over the gather's.
+    (from_arrays,) = [f for f in diagnose(arrays, ctx, strict=True) if f.code == "DIST.DESYNC"]
+    assert from_arrays.ranks == (1,) and from_arrays.steps == (71,) and from_arrays.severity == Severity.HIGH
+    plain = RunArrays.from_arrays(np.asarray(base.phases), loss=np.asarray(base.loss[:, 0]))
+    (from_counts,) = [f for f in diagnose(plain, ctx, strict=True) if f.code == "DIST.DESYNC"]
+    assert from_counts.ranks == (2,) and "gather 2" in from_counts.title
 
 
 def test_with_two_ranks_a_desync_blames_nobody_the_counts_cannot_single_out():
     # Rank 1 skipped one optimizer step (its step 40 merged two iterations, two syncs). At the gather the
-    # step counts tie 1-1: no majority, so both ranks' counts are shown; the per-step sync counts do single
-    # rank 1 out (one sync per step is what every other step has). Its records end a step early because
-    # it took one step fewer, not because it was killed.
+    # step counts tie 1-1: no majority singles a rank out there; the per-step sync counts do single rank 1
+    # out (one sync per step is what every other step has), and that finding is the one kept. Its records
+    # end a step early because it took one step fewer, not because it was killed.
     ctx = RunContext(world_size=2, counts_checks=(CountsCheck(2, (50, 49), (50, 50), (50, 50)),))
     base = make_run(50, 2)
     syncs = np.ones((50, 2))
@@ -672,11 +674,11 @@ def test_with_two_ranks_a_desync_blames_nobody_the_counts_cannot_single_out():
     phases = np.asarray(base.phases).copy()
     phases[49, 1] = np.nan
     arrays = RunArrays.from_arrays(phases, loss=np.asarray(base.loss[:, 0]), grad_syncs=syncs)
-    found = [f for f in diagnose(arrays, ctx, strict=True) if f.code == "DIST.DESYNC"]
-    by_gather = next(f for f in found if "gather" in f.title)
-    assert by_gather.ranks == (0, 1) and "rank 0: steps 50; rank 1: steps 49" in by_gather.detail
-    per_step = next(f for f in found if f.steps == (40,))
-    assert per_step.ranks == (1,) and "rank 1: 2, against 1 on the other rank." in per_step.detail
+    (per_step,) = [f for f in diagnose(arrays, ctx, strict=True) if f.code == "DIST.DESYNC"]
+    assert per_step.steps == (40,) and per_step.ranks == (1,)
+    assert "rank 1: 2, against 1 on the other rank." in per_step.detail
+    by_gather = [f for f in diagnose(make_run(50, 2), ctx, strict=True) if f.code == "DIST.DESYNC"]
+    assert by_gather[0].ranks == (0, 1) and "rank 0: steps 50; rank 1: steps 49" in by_gather[0].detail
     assert "an optimizer step that did not happen there" in per_step.detail
     (end,) = analyze(arrays, ctx).rank_ends
     assert end.rank == 1 and "fewer optimizer steps" in end.reason
@@ -1161,3 +1163,89 @@ def test_only_a_wait_for_another_ranks_pause_is_discounted():
     # One rank alone has no peer to wait for.
     comm, excluded = _discounted([[3], [4]], [[50], [0]])
     assert comm.tolist() == [[3], [4]] and excluded.tolist() == [[50], [0]]
+
+
+def test_memory_pressure_names_the_ranks_by_id_when_a_rank_has_no_rows():
+    # Ranks 1, 2 and 3 have rows (rank 0 none): the arrays' columns are ranks 1-3, and rank 3 is the full one.
+    mem = np.full((60, 3), 10e9)
+    mem[:, 2] = 99e9
+    arrays = RunArrays.from_arrays(np.ones((60, 3, 6)), mem_bytes=mem, ranks=np.array([1, 2, 3]))
+    a = analyze(arrays, RunContext(world_size=4, mem_limit_bytes=100e9))
+    (found,) = [f for f in run_rules(a) if f.code == "MEMORY.PRESSURE"]
+    assert found.ranks == (3,) and "on rank 3" in found.detail
+    assert a.memory.ranks == (1, 2, 3) and a.memory.peak_rank == 3
+
+
+def test_one_desync_is_one_finding_with_one_majority_rule():
+    # 2 ranks; rank 1 syncs twice in step 61. The gather's cumulative counts tie 1-1 (no majority there);
+    # the per-step counts single rank 1 out (one sync is what every other step has). One finding, rank 1.
+    syncs = np.ones((100, 2))
+    syncs[60, 1] = 2
+    arrays = RunArrays.from_arrays(np.ones((100, 2, 6)), grad_syncs=syncs)
+    ctx = RunContext(world_size=2, counts_checks=(CountsCheck(2, (100, 100), (100, 101), (100, 100)),))
+    (found,) = [f for f in diagnose(arrays, ctx, strict=True) if f.code == "DIST.DESYNC"]
+    assert found.ranks == (1,) and found.steps == (61,)
+    # Rank 1 syncs twice in every step: the run's history ties too, so nobody is singled out.
+    both = RunArrays.from_arrays(np.ones((100, 2, 6)), grad_syncs=np.tile([1.0, 2.0], (100, 1)))
+    (found,) = [f for f in diagnose(both, RunContext(world_size=2), strict=True) if f.code == "DIST.DESYNC"]
+    assert found.ranks == (0, 1) and "with no majority to single a rank out" in found.detail
+    from pytscope_core.analysis.distributed import majority
+
+    assert majority(np.array([1.0, 2.0])) is None and majority(np.array([1.0, 2.0]), syncs) == 1.0
+    assert majority(np.array([3.0, 3.0, 4.0, np.nan])) == 3.0
+
+
+def test_a_late_straggler_is_the_one_the_plot_the_table_and_the_live_metric_count(monkeypatch, tmp_path):
+    # As in test_a_straggler_that_begins_late_is_named_from_where_it_began: rank 1 is 1.5x slower from step 801.
+    from types import SimpleNamespace
+
+    from pytscope_core import plots
+    from pytscope_core.live import metrics
+
+    rng = np.random.default_rng(0)
+    compute = 10.0 * (1 + 0.04 * rng.standard_normal((1200, 4)))
+    compute[800:, 1] *= 1.5
+    ph = np.zeros((1200, 4, 6))
+    ph[:, :, 1], ph[:, :, 2] = 0.4 * compute, 0.6 * compute
+    ph[:, :, 3] = compute.max(axis=1, keepdims=True) - compute + TRANSFER_MS
+    arrays = RunArrays.from_arrays(ph, loss=np.linspace(2, 1, 1200))
+    a = analyze(arrays, RunContext(world_size=4))
+    d = a.distributed
+    assert d.stragglers == () and d.late is not None and d.late.stragglers == (1,)
+    findings = run_rules(a)
+    assert metrics(a, findings)["pytscope/lost_to_imbalance"] == d.late.lost_to_imbalance > 0
+    summary = summary_of(a, findings)
+    console = Console(file=io.StringIO(), width=100, color_system=None)
+    console.print(render_distributed(summary))
+    marked = [line for line in console.file.getvalue().splitlines() if "◀ straggler" in line]
+    assert len(marked) == 1 and marked[0].split()[0] == "1"
+    axes = []
+
+    def figure():
+        fig, ax = plots_figure()
+        axes.append(ax)
+        return fig, ax
+
+    plots_figure = plots._figure
+    monkeypatch.setattr(plots, "_figure", figure)
+    plots.plot_local_work(SimpleNamespace(arrays=arrays), summary, tmp_path / "local.png")
+    assert [line.get_label() for line in axes[0].get_lines() if "straggler" in line.get_label()] == [
+        "rank 1 (straggler)"
+    ]
+    assert d.effective is d.late
+
+
+def test_the_live_replica_check_keeps_what_the_drift_rule_flags(tmp_path):
+    import time
+
+    from pytscope_core.live import LiveDiagnosis
+    from pytscope_core.reporter import RunReporter
+
+    live = LiveDiagnosis(RunReporter(tmp_path, {}, console=False), Segment(0, time.time(), 0, 2), 0, [])
+    for relative in (1e-8, 1e-5):  # summation-order noise, then a real difference
+        sums = (1.0, 1.0 + relative)
+        live.replica_checks.clear()
+        live._check_replicas(np.array([[10, 10, 10, 10, s] for s in sums], dtype=float), step=10)
+        ctx = RunContext(world_size=2, replica_checks=(ReplicaCheck(10, sums),))
+        flagged = any(f.code == "DIST.REPLICA_DRIFT" for f in diagnose(make_run(50, 2), ctx, strict=True))
+        assert bool(live.replica_checks) == flagged == (relative > 1e-6)

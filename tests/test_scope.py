@@ -17,7 +17,7 @@ from pytscope_core import Scope, backward
 from pytscope_core.backward import OUTPUT_TRIAL
 from pytscope_core.cli import main
 from pytscope_core.live import LIVE_STEPS
-from pytscope_core.records import COL
+from pytscope_core.records import COL, PHASES
 from pytscope_core.rundir import load_run, read_rows
 from pytscope_core.scope import disabled_message
 from pytscope_core.summary import summarize
@@ -933,3 +933,83 @@ def test_a_stop_the_training_caused_is_a_note_and_a_limit_is_said_by_rank_0_only
     summary = scope.stop("the fit raised KeyboardInterrupt")
     assert "stopped without a final gather: the fit raised KeyboardInterrupt" in summary.scope_notes
     assert not any("KeyboardInterrupt" in e for e in summary.scope_errors)
+
+
+def test_a_batch_skipped_after_its_forward_is_no_gradient_sync_and_no_micro_batch(tmp_path, one_rank_group):
+    # Out-of-memory recovery: a rank whose forward raised agrees with the others to skip the batch; the
+    # others have finished that forward. Counted as a sync on them only, it moved their gathers off the rank
+    # that raised: every rank blocked in a different collective.
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scope = Scope(tmp_path, console=False, hang_timeout=None, interval=1000).watch(model, opt)
+    for i in range(12):
+        loss = model(torch.randn(4, 8)).sum()
+        if i % 4 == 3:  # the batch is skipped on this rank, as on the one that raised
+            opt.zero_grad()
+            continue
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    scope.finish()
+    arrays = load_run(tmp_path).arrays
+    assert arrays.grad_syncs.sum() == 9 and arrays.micro_batches.sum() == 9
+
+
+def test_a_backward_that_raised_leaves_later_forwards_and_backwards_timed(tmp_path):
+    fail = [False]
+
+    class Fragile(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            if fail[0]:
+                raise RuntimeError("out of memory")
+            return grad
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.b(Fragile.apply(self.a(x)))  # backward has begun when it raises
+
+    model = Model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scope = Scope(tmp_path, console=False, hang_timeout=None).watch(model, opt)
+    for i in range(30):
+        loss = model(torch.randn(4, 8)).sum()
+        fail[0] = i == 10
+        try:
+            loss.backward()
+        except RuntimeError:
+            opt.zero_grad()
+            continue
+        opt.step()
+        opt.zero_grad()
+    scope.finish()
+    arrays = load_run(tmp_path).arrays
+    assert arrays.n_steps == 29  # (the skipped batch is part of the next step)
+    forward, backward = (
+        arrays.phases[arrays.steps > 12, 0, PHASES.index(p)] for p in ("forward", "backward")
+    )
+    assert (forward > 0).all() and (backward > 0).all()
+
+
+def test_gradients_taken_with_autograd_grad_keep_backward_timed_after_the_trial(tmp_path):
+    model = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scope = Scope(tmp_path, console=False, hang_timeout=None).watch(model, opt)
+    params = list(model.parameters())
+    for _ in range(3 * OUTPUT_TRIAL):
+        grads = torch.autograd.grad(model(torch.randn(16, 8)).pow(2).mean(), params)  # no .grad accumulated
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g
+        opt.step()
+        opt.zero_grad()
+    scope.finish()
+    arrays = load_run(tmp_path).arrays
+    assert (arrays.phases[arrays.steps > OUTPUT_TRIAL + 1, 0, PHASES.index("backward")] > 0).all()

@@ -14,6 +14,9 @@ PACKAGES = ("pytscope_core", "pytscope_lightning", "pytscope_accelerate")
 FOREIGN_PRIVATE = {
     "os._exit",  # the hang abort: exit now, without running the (hung) interpreter shutdown
     "sys._current_frames",  # every thread's stack for the hang dump
+    "sys._getframe",  # who called a torch.distributed collective: the loop, or torch itself (collectives.py)
+    "torch._C",  # the autograd graph task running, if any: a backward that raised has ended (backward.py)
+    "grad._version",  # whether a backward wrote a gradient since the forward: none ran (backward.py)
     "dist.distributed_c10d._get_default_store",  # the job's own key-value store (heartbeats, meeting)
     "torch.autograd.Variable._execution_engine",  # the engine's final callbacks ("graph done")
     # Lightning's training loop hands these to its data fetcher around each fetch (for its profiler): the

@@ -93,7 +93,7 @@ class CountDivergence:
     step: int
     ranks: tuple[int, ...]
     counts: tuple[float, ...]  # those ranks' counts in that step
-    majority: float
+    majority: float  # NaN: no majority (`majority`), every rank is listed
 
 
 @dataclass(frozen=True)
@@ -133,6 +133,12 @@ class DistributedTiming:
 
     def rank(self, rank: int) -> RankTiming:
         return next(r for r in self.per_rank if r.rank == rank)
+
+    @property
+    def effective(self) -> DistributedTiming:
+        """The analysis whose stragglers count: the whole window's, or where it names none, its late tail's (a
+        straggler that began late). The finding, the summary, the plot and the live metric all read this."""
+        return self if self.stragglers or self.late is None else self.late
 
 
 def distributed_timing(
@@ -425,21 +431,28 @@ def _divergence(arrays: RunArrays, counter: str, gaps: bool = True) -> CountDive
         return None
     i = int(bad_steps[0])
     row = np.asarray(g[i], dtype=np.float64)
-    values, counts = np.unique(row[np.isfinite(row)], return_counts=True)
-    tied = values[counts == counts.max()] if values.size else values
-    if tied.size > 1:  # no majority at that step (2 ranks): the tied count most common over the run
-        tied_counts = [np.count_nonzero(g == v) for v in tied]
-        majority = float(tied[int(np.argmax(tied_counts))])
-    else:
-        majority = float(tied[0]) if tied.size else math.nan
-    off = np.flatnonzero(~np.isfinite(row) | (row != majority))
+    most = majority(row, history=g)
+    off = np.flatnonzero(~np.isfinite(row) | (row != most)) if most is not None else np.arange(row.size)
     return CountDivergence(
         counter=counter,
         step=int(arrays.steps[i]),
         ranks=tuple(int(arrays.ranks[j]) for j in off),
         counts=tuple(float(row[j]) for j in off),
-        majority=majority,
+        majority=most if most is not None else math.nan,
     )
+
+
+def majority(values: np.ndarray, history: np.ndarray | None = None) -> float | None:
+    """The count most ranks hold (NaN: no record, left out). On a tie, the tied count most common in
+    `history` (the same counter over the run), where that breaks it. None where nothing singles one count out
+    (2 ranks at odds and no history to go by): no rank can then be blamed. Every DIST.DESYNC uses this."""
+    values = np.asarray(values, dtype=np.float64)
+    uniq, counts = np.unique(values[np.isfinite(values)], return_counts=True)
+    tied = uniq[counts == counts.max()] if uniq.size else uniq
+    if tied.size > 1 and history is not None:
+        seen = np.array([np.count_nonzero(history == v) for v in tied])
+        tied = tied[seen == seen.max()]
+    return float(tied[0]) if tied.size == 1 else None
 
 
 def _excused(present: np.ndarray, segment: np.ndarray, gaps: np.ndarray) -> np.ndarray:

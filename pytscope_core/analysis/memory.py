@@ -34,15 +34,19 @@ class MemoryStats:
     largest_rise_share: float  # the largest rise between consecutive block means, as a share of growth
     limit_bytes: float | None
     peak_fraction: float | None  # peak_bytes / limit_bytes
-    rank_peaks: tuple[float, ...]  # per rank, in rank order
+    rank_peaks: tuple[float, ...]  # one per rank that has rows, in the order of `ranks`
+    ranks: tuple[int, ...]  # the rank ids of `rank_peaks`: a rank with no rows has no column, so not 0..R-1
 
 
 def memory_stats(arrays: RunArrays, ctx: RunContext, sel: np.ndarray) -> MemoryStats:
     mem = np.asarray(arrays.mem_bytes)
     nan = math.nan
     limit = float(ctx.mem_limit_bytes) if ctx.mem_limit_bytes else None
+    rank_ids = tuple(int(r) for r in arrays.ranks)
     if mem.size == 0 or not np.isfinite(mem).any():
-        return MemoryStats(nan, None, nan, nan, nan, nan, limit, None, tuple(nan for _ in arrays.ranks))
+        return MemoryStats(
+            nan, None, nan, nan, nan, nan, limit, None, tuple(nan for _ in arrays.ranks), rank_ids
+        )
     with warnings.catch_warnings(), np.errstate(all="ignore"):
         warnings.simplefilter("ignore", RuntimeWarning)
         if mem.strides[1] == 0:
@@ -66,7 +70,7 @@ def memory_stats(arrays: RunArrays, ctx: RunContext, sel: np.ndarray) -> MemoryS
         rise_share = float(np.diff(means).max()) / growth if growth > 0 else nan
     return MemoryStats(
         peak_bytes=peak,
-        peak_rank=int(arrays.ranks[peak_i]),
+        peak_rank=rank_ids[peak_i],
         growth_bytes=growth,
         growth_relative=rel,
         growth_t=t,
@@ -74,4 +78,5 @@ def memory_stats(arrays: RunArrays, ctx: RunContext, sel: np.ndarray) -> MemoryS
         limit_bytes=limit,
         peak_fraction=peak / limit if limit else None,
         rank_peaks=tuple(float(v) for v in rank_peaks),
+        ranks=rank_ids,
     )

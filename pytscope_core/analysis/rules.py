@@ -19,7 +19,7 @@ import numpy as np
 
 from ..context import RAISED, RankFailure
 from ..findings import Finding, Severity, format_ranks, severity_at
-from .distributed import CountDivergence
+from .distributed import CountDivergence, majority
 from .run import RunAnalysis
 from .timing import few_steps_note
 
@@ -112,9 +112,7 @@ def straggler(a: RunAnalysis) -> list[Finding]:
     """One rank persistently has the most local work. Floors: excess >= 4.5%, slower in >= 70% of steps (60%
     from an excess of 13.5%; binomial z >= 3), and its extra work over the next-slowest rank >= 2% of wall
     (distributed.py). One that began late is named from the tail of the run where it is one (`late`)."""
-    d = a.distributed
-    if not d.stragglers and d.late is not None:
-        d = d.late
+    d = a.distributed.effective
     if len(d.stragglers) != 1:
         return []
     rank = d.stragglers[0]
@@ -337,24 +335,27 @@ _FSDP2_COMM_ADVICE = (
 
 @rule("DIST.DESYNC")
 def desync(a: RunAnalysis) -> list[Finding]:
-    """Ranks disagree on step, grad-sync or micro-batch counts. No floor: any disagreement precedes a hang."""
+    """Ranks disagree on step, grad-sync or micro-batch counts. No floor: any disagreement precedes a hang.
+
+    One finding for one problem: the step where the per-step counts diverge, where the records show it (it
+    names the step and the rank), else the first gather whose counters differ."""
+    div = a.distributed.count_divergence
+    if div is not None:
+        return [_divergence_finding(div, others=len(a.distributed.per_rank) - len(div.ranks))]
     out: list[Finding] = []
     for check in a.ctx.counts_checks:
         bad: dict[int, list[str]] = {}
         for name in ("steps", "grad_syncs", "micro_batches"):
             values = np.asarray(getattr(check, name), dtype=np.float64)
-            if values.size < 2:
+            if values.size < 2 or np.unique(values).size < 2:
                 continue
-            uniq, counts = np.unique(values, return_counts=True)
-            if uniq.size < 2:
-                continue
-            if np.count_nonzero(counts == counts.max()) > 1:  # no majority (2 ranks): nobody singled out
+            most = majority(values)
+            if most is None:  # no majority (2 ranks): nobody singled out
                 for i in range(values.size):
                     bad.setdefault(i, []).append(f"{name} {values[i]:.0f}")
                 continue
-            majority = uniq[counts.argmax()]
-            for i in np.flatnonzero(values != majority).tolist():
-                bad.setdefault(i, []).append(f"{name} {values[i]:.0f} vs {majority:.0f}")
+            for i in np.flatnonzero(values != most).tolist():
+                bad.setdefault(i, []).append(f"{name} {values[i]:.0f} vs {most:.0f}")
         if bad:
             parts = "; ".join(f"rank {r}: {', '.join(v)}" for r, v in sorted(bad.items()))
             out.append(
@@ -369,9 +370,6 @@ def desync(a: RunAnalysis) -> list[Finding]:
                 )
             )
             break  # the first divergence is what matters; later ones follow from it
-    div = a.distributed.count_divergence
-    if div is not None:
-        out.append(_divergence_finding(div, others=len(a.distributed.per_rank) - len(div.ranks)))
     return out
 
 
@@ -390,14 +388,19 @@ def _divergence_finding(div: CountDivergence, others: int) -> Finding:
         if (counts < div.majority).all()
         else ""
     )
+    against = (
+        f"against {div.majority:g} on the other rank{'s' if others != 1 else ''}"
+        if math.isfinite(div.majority)
+        else "with no majority to single a rank out"
+    )
     return Finding(
         code="DIST.DESYNC",
         severity=Severity.HIGH,
         title=f"{what.capitalize()} diverge at step {div.step}",
         detail=(
-            f"In step {div.step} the ranks made different numbers of {what}: {listed}, against {div.majority:g} "
-            f"on the other rank{'s' if others != 1 else ''}{' (NaN = no record)' if missing else ''}. From here "
-            f"their cumulative counts differ{f': {hint}' if hint else ''}."
+            f"In step {div.step} the ranks made different numbers of {what}: {listed}, {against}"
+            f"{' (NaN = no record)' if missing else ''}. From here their cumulative counts differ"
+            f"{f': {hint}' if hint else ''}."
         ),
         recommendation=_DESYNC_ADVICE,
         ranks=div.ranks,
@@ -437,6 +440,22 @@ REPLICA_REL_TOL = 1e-6
 """Replicas hold bit-identical parameters in data parallel; 1e-6 relative leaves room for summation order."""
 
 
+def replicas_differ(sums: np.ndarray) -> bool:
+    """Whether one gather's parameter checksums (one per rank; NaN: none) disagree beyond REPLICA_REL_TOL: the
+    live check keeps exactly the checks that DIST.REPLICA_DRIFT would flag."""
+    return bool(_drift(np.asarray(sums, dtype=np.float64).reshape(1, -1))[0].any())
+
+
+def _drift(sums: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(checks, ranks) checksums -> (where a rank's is off its check's median by more than REPLICA_REL_TOL of
+    the check's largest, the medians, the largest) (the last two (checks, 1)). An all-NaN row is no drift."""
+    with np.errstate(all="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        majority = np.nanmedian(sums, axis=1, keepdims=True)
+        scale = np.maximum(np.nanmax(np.abs(sums), axis=1, keepdims=True), 1e-30)
+        return np.isfinite(sums) & (np.abs(sums - majority) > REPLICA_REL_TOL * scale), majority, scale
+
+
 @rule("DIST.REPLICA_DRIFT")
 def replica_drift(a: RunAnalysis) -> list[Finding]:
     """Parameter checksums differing from the majority beyond REPLICA_REL_TOL."""
@@ -448,11 +467,7 @@ def replica_drift(a: RunAnalysis) -> list[Finding]:
     for i, c in enumerate(checks):  # one row per gather, not per step
         sums[i, : len(c.checksums)] = c.checksums
     steps = np.array([c.step for c in checks])
-    with np.errstate(all="ignore"), warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # an all-NaN check row is simply skipped
-        majority = np.nanmedian(sums, axis=1, keepdims=True)
-        scale = np.maximum(np.nanmax(np.abs(sums), axis=1, keepdims=True), 1e-30)
-        drift = np.isfinite(sums) & (np.abs(sums - majority) > REPLICA_REL_TOL * scale)
+    drift, majority, scale = _drift(sums)
     rows = np.flatnonzero(drift.any(axis=1))
     if rows.size == 0:
         return []
@@ -1083,11 +1098,7 @@ def memory_pressure(a: RunAnalysis) -> list[Finding]:
     if m.peak_fraction is None or not m.peak_fraction >= PRESSURE_MED or not m.limit_bytes:
         return []
     limit = m.limit_bytes
-    ranks = tuple(
-        int(r)
-        for r, p in zip(range(len(m.rank_peaks)), m.rank_peaks, strict=False)
-        if p / limit >= PRESSURE_MED
-    )
+    ranks = tuple(r for r, p in zip(m.ranks, m.rank_peaks, strict=True) if p / limit >= PRESSURE_MED)
     return [
         Finding(
             code="MEMORY.PRESSURE",
@@ -1132,7 +1143,7 @@ _ADVICE = {
 
 def _advice(line: str, a: RunAnalysis) -> str:
     """What to do about a budget line; `other` that is mostly one straggler's extra work says so."""
-    d = a.distributed
+    d = a.distributed.effective
     if len(d.stragglers) == 1 and line in ("other", "sync wait (imbalance)"):
         slow = d.rank(d.stragglers[0])  # the others' wait is its extra work: one piece of advice for both
         if line == "sync wait (imbalance)" or slow.extra_phase == "other" and slow.extra_phase_ms > 0:
