@@ -2,12 +2,13 @@
 
 Peaks are dense (no sparsity) numbers from the vendors' data sheets, per precision (bf16, tf32, fp32). A device
 name is matched exactly after normalising case and spaces, against the names `torch.cuda.get_device_name`
-reports, so an unknown part gives None (MFU "n/a") instead of a wrong guess. FLOPs per step are counted by
-torch's own FLOP counter on one warm-up step (`FlopEstimate`). Torch is imported only inside functions.
+reports, so an unknown part gives None (MFU "n/a") instead of a wrong guess. FLOPs per step are counted with
+torch's own per-op FLOP formulas on one warm-up step (`FlopEstimate`). Torch is imported only inside functions.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -78,8 +79,92 @@ def training_precision(param_dtype: Any, autocast: bool) -> str:
     return "tf32" if allowed else "fp32"
 
 
+# Size and layout queries, which tensors with their own sizes (nested tensors) answer themselves: torch's
+# FLOP counter passes them on (NotImplemented) rather than run them, and so does ours.
+_METADATA_OPS = (
+    "sym_is_contiguous",
+    "is_contiguous",
+    "is_strides_like_format",
+    "is_non_overlapping_and_dense",
+    "size",
+    "sym_size",
+    "stride",
+    "sym_stride",
+    "storage_offset",
+    "sym_storage_offset",
+    "numel",
+    "sym_numel",
+    "dim",
+)
+
+
+@functools.cache
+def flop_tally_mode() -> type:
+    """The class of a dispatch mode that adds up, in `flops`, what torch's own per-op FLOP formulas
+    (`torch.utils.flop_counter.flop_registry`) give: `FlopCounterMode`'s total, without its module tracker.
+    That tracker puts hooks on the user's autograd graph, and a step that takes `torch.autograd.grad` of a leaf
+    input (a gradient penalty) then fails inside torch ("A leaf node was passed to _will_engine_execute_node");
+    counting at the dispatcher touches no graph. As in torch's mode, an op that decomposes is counted by its
+    parts; `cond` counts its costlier branch; other higher-order operators run uncounted instead of failing.
+    """
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils.flop_counter import flop_registry
+
+    aten = torch.ops.aten
+    metadata = {getattr(aten, name) for name in _METADATA_OPS if hasattr(aten, name)}
+    metadata.add(torch.ops.prim.layout)
+    prim_device = torch.ops.prim.device.default
+    cond = getattr(torch.ops.higher_order, "cond", None)
+    higher_order = getattr(torch._ops, "HigherOrderOperator", ())
+
+    class FlopTally(TorchDispatchMode):
+        supports_higher_order_operators = True  # they come to `__torch_dispatch__`, with this mode off
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.flops: Any = 0
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            kwargs = kwargs or {}
+            if isinstance(func, higher_order):
+                if func is cond:
+                    _, true_branch, false_branch, operands = args
+                    out, true_flops = self._tally(true_branch, operands)
+                    false_flops = self._tally(false_branch, operands)[1]
+                    self.flops += max(true_flops, false_flops)
+                    return out
+                return func(*args, **kwargs)
+            if func._overloadpacket in metadata:
+                return NotImplemented
+            if func not in flop_registry and func is not prim_device:
+                with self:
+                    out = func.decompose(*args, **kwargs)
+                if out is not NotImplemented:
+                    return out
+            out = func(*args, **kwargs)
+            formula = flop_registry.get(func._overloadpacket)
+            if formula is not None:
+                try:
+                    self.flops += formula(*args, **kwargs, out_val=out)
+                except Exception:  # a count that fails is no count (`end`), never the user's error
+                    self.flops = float("nan")
+            return out
+
+        def _tally(self, branch: Any, operands: Any) -> tuple[Any, Any]:
+            before, self.flops = self.flops, 0
+            try:
+                with self:
+                    out = branch(*operands)
+                return out, self.flops
+            finally:
+                self.flops = before
+
+    return FlopTally
+
+
 class FlopEstimate:
-    """FLOPs of one optimizer step, counted once by torch's `FlopCounterMode` on a warm-up step.
+    """FLOPs of one optimizer step, counted once on a warm-up step by `flop_tally_mode` (torch's FLOP formulas).
 
     The hooks call `begin` at every forward: the counter is entered at the first forward of step `at_step`
     and left at the first forward of a later step (or where a pause, an epoch's end or the run's end comes
@@ -127,9 +212,7 @@ class FlopEstimate:
 
     def _enter(self) -> None:
         try:
-            from torch.utils.flop_counter import FlopCounterMode
-
-            mode = FlopCounterMode(display=False)
+            mode = flop_tally_mode()()
             mode.__enter__()
             self._mode = mode
         except Exception:
@@ -143,7 +226,7 @@ class FlopEstimate:
             return
         try:
             mode.__exit__(None, None, None)
-            total = float(mode.get_total_flops())
+            total = float(mode.flops)
         except Exception:
             total = 0.0
         self.on_done(total if total > 0 else None)

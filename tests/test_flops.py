@@ -78,3 +78,40 @@ def test_dense_peaks_per_precision():
     assert peak_flops_for("NVIDIA H100 80GB HBM3", "fp32") == 66.9e12
     assert peak_flops_for("NVIDIA H200 NVL") == 835e12
     assert peak_flops_for("NVIDIA H200", "fp64") is None
+
+
+def test_a_gradient_penalty_trains_under_the_flop_count(tmp_path):
+    # torch.autograd.grad of a leaf input with create_graph=True (WGAN-GP, R1, PINNs): torch's FlopCounterMode
+    # hooks the graph through its module tracker, and the counted step failed inside torch ("A leaf node was
+    # passed to _will_engine_execute_node"). The count must leave the graph alone and total as torch's does.
+    torch = pytest.importorskip("torch")
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from pytscope_core import Scope
+    from pytscope_core.rundir import load_run
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    opt = torch.optim.Adam(model.parameters())
+
+    def penalised_step(x):
+        out = model(x)
+        (grad_x,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+        (out.pow(2).mean() + grad_x.pow(2).sum(1).mean()).backward()
+
+    scope = Scope(tmp_path, console=False, hang_timeout=None)
+    scope.watch(model, opt)
+    for _ in range(6):
+        penalised_step(torch.randn(32, 8, requires_grad=True))
+        opt.step()
+        opt.zero_grad()
+    scope.finish()
+
+    # torch's own counter, on the same step with an input that is not a leaf (which its tracker survives)
+    with FlopCounterMode(display=False) as counter:
+        penalised_step(torch.randn(32, 8, requires_grad=True) * 1.0)
+    opt.zero_grad()
+    counted = load_run(tmp_path).context.flops_per_step
+    assert scope.errors == []
+    assert counted is not None and counted > 0
+    assert counted == pytest.approx(counter.get_total_flops(), rel=0.01)

@@ -30,6 +30,10 @@ FOREIGN_PRIVATE = {
     # torch.compile's wrapper module keeps the module it compiles there, with no public getter (compiled.py)
     "model._orig_mod",
     "torch._dynamo",  # torch < 2.3 has `is_compiling` there only (compiled.py)
+    # FLOPs counted as torch's FlopCounterMode counts them, by each op's family's formula, without the module
+    # tracker that hooks the user's graph (flops.py)
+    "torch._ops",
+    "func._overloadpacket",
     # the step Lightning's loggers, LearningRateMonitor and DeviceStatsMonitor log at (no public getter)
     "trainer.fit_loop.epoch_loop._batches_that_stepped",
     # where Lightning's closure ends, after on_before_optimizer_step and gradient clipping: the optimizer
