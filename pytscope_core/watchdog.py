@@ -149,6 +149,22 @@ def classify_hang(
             f"{min(idle[r] for r in waiting):.0f} s; " + _whereabouts(missing, beats, place) + "."
         )
         ranks = missing
+    elif waiting and len({(beats[r]["phase"], int(beats[r]["syncs"])) for r in waiting}) > 1:
+        ranks = _in_another_collective(beats, waiting)
+        step = min(_label(beats[r]) for r in ranks or waiting)
+        title = (
+            f"rank{'s' if len(ranks) > 1 else ''} {format_ranks(ranks)}{_on_hosts(ranks, place)} "
+            f"wait{'' if len(ranks) > 1 else 's'} in a collective the others are not in"
+            if ranks
+            else "the ranks wait in different collectives"
+        )
+        detail = (
+            "Every rank waits in a collective, not all in the same one: "
+            + _whereabouts(waiting, beats, place)
+            + ". A collective called on some ranks only (under `if rank == 0` or `is_main_process`, in a loop"
+            " over an evaluation loader longer on some ranks, past a `continue` some ranks take) leaves the ranks"
+            " that called it waiting for the others, who went on to the next one."
+        )
     elif waiting:
         detail = (
             f"Every rank has waited in {allreduce} for {min(idle.values()):.0f} s: "
@@ -193,8 +209,9 @@ def classify_hang(
         title=title,
         detail=f"{detail} ({limit}; stacks of every live rank are in stacks/)",
         recommendation=(
-            "Read the missing rank's stack first: a blocked data loader, a rank that skipped a batch "
-            "(uneven shards, a data-dependent `continue`), or a rank-dependent branch around backward."
+            "Read the named rank's stack first: a blocked data loader, a rank that skipped a batch "
+            "(uneven shards, a data-dependent `continue`), or a rank-dependent branch around backward or a "
+            "collective."
         ),
         ranks=tuple(ranks),
         steps=(step,),
@@ -223,6 +240,18 @@ def _behind(beats: dict[int, dict[str, Any]], world_size: int) -> list[int]:
     where = {r: (_label(b), _PHASE_ORDER.index(b["phase"])) for r, b in beats.items()}
     last = min(where.values())
     return sorted(r for r, w in where.items() if w == last)
+
+
+def _in_another_collective(beats: dict[int, dict[str, Any]], waiting: list[int]) -> list[int]:
+    """Of ranks all waiting, not all in the same collective: those furthest behind (fewest gradient syncs,
+    then the earliest step), unless that is all of them; then those in a collective of the loop's (DDP's
+    all-reduce and pytscope's gather are called by every rank, so the odd one is the loop's); else none."""
+    first = min((int(beats[r]["syncs"]), _label(beats[r])) for r in waiting)
+    behind = [r for r in waiting if (int(beats[r]["syncs"]), _label(beats[r])) == first]
+    if len(behind) < len(waiting):
+        return behind
+    loops = [r for r in waiting if beats[r]["phase"] == LOOP_COLLECTIVE]
+    return loops if len(loops) < len(waiting) else []
 
 
 def _no_progress(

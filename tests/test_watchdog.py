@@ -353,3 +353,20 @@ def test_a_hangs_abort_ends_rank_0_first_and_the_others_once_it_said_so(tmp_path
     said = time.monotonic()
     waiting.join(5.0)
     assert [code for code, _ in ended] == [86, 86] and ended[1][1] >= said - 0.01
+
+
+def test_ranks_all_waiting_but_in_different_collectives_name_the_one_the_others_went_past():
+    # Rank 0 alone calls a barrier after step 33 (under `if is_main_process`); rank 1 went on to step 34's
+    # gradient all-reduce. Both wait: it used to read as one stuck collective (the network), naming nobody.
+    beats = {
+        0: {"step": 32, "phase": watchdog.LOOP_COLLECTIVE, "idle_s": 400.0, "syncs": 33},
+        1: {"step": 33, "phase": "comm", "idle_s": 400.0, "syncs": 33},
+    }
+    f = classify_hang(beats, 2, 300.0)
+    assert f is not None and f.severity.name == "HIGH" and f.ranks == (0,) and f.steps == (33,)
+    assert f.title == "rank 0 waits in a collective the others are not in", f.title
+    assert "network" not in f.detail and "is_main_process" in f.detail
+    # Both in the same place: the collective itself is stuck.
+    same = {r: {"step": 33, "phase": "comm", "idle_s": 400.0, "syncs": 33} for r in (0, 1)}
+    f = classify_hang(same, 2, 300.0)
+    assert f is not None and f.ranks == () and "network" in f.detail
