@@ -54,6 +54,29 @@ LOADER_TAKEN = (
 )
 
 
+def end_windows_at_zero_grad(optimizer: Any, recorder: StepRecorder) -> Callable[[], None]:
+    """Wrap `optimizer.zero_grad` on the instance to tell the recorder that gradients were cleared
+    (`StepRecorder.gradients_cleared`: a step the optimizer skipped ends there); return the undo."""
+    zero_grad = optimizer.zero_grad
+
+    def cleared(*args: Any, **kwargs: Any) -> Any:
+        recorder.gradients_cleared()
+        return zero_grad(*args, **kwargs)
+
+    cleared.__wrapped__ = zero_grad  # type: ignore[attr-defined]
+    before = optimizer.__dict__.get("zero_grad")
+    optimizer.zero_grad = cleared
+
+    def undo() -> None:
+        if optimizer.__dict__.get("zero_grad") is cleared:  # (else another tool wrapped ours since: left)
+            if before is None:
+                del optimizer.__dict__["zero_grad"]
+            else:
+                optimizer.zero_grad = before
+
+    return undo
+
+
 def unwrap_optimizer(optimizer: Any) -> Any:
     """The torch optimizer inside Lightning's or Accelerate's wrapper (those step only on real steps)."""
     for attr in ("_optimizer", "optimizer"):
@@ -150,6 +173,7 @@ class TorchHooks:
         if pre_hook:
             self._handles.append(inner.register_step_pre_hook(outside_compiled(self._optimizer_pre)))
         self._handles.append(inner.register_step_post_hook(outside_compiled(self._optimizer_post)))
+        self._undo.append(end_windows_at_zero_grad(inner, self.recorder))
 
     def watch_loader(self, loader: Any) -> None:
         undo = watch_loader(loader, self)
@@ -234,8 +258,7 @@ class TorchHooks:
             self._on_error(exc)
 
     def grad_sync_expected(self, ddp: Any = None) -> bool:
-        """Whether the coming backward synchronises gradients: `ddp` outside `no_sync()`, or the watched
-        FSDP2 units with gradient sync on. For integrations that mark forward themselves."""
+        """Whether the coming backward syncs gradients (DDP outside `no_sync()`, FSDP2 with sync on)."""
         if ddp is not None:
             return bool(ddp.require_backward_grad_sync)
         return self.sharded is not None and self.sharded.sync_expected()

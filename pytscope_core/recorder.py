@@ -25,6 +25,7 @@ from .values import to_floats
 # Plain ints for the hot path (an enum member lookup costs more than the append it feeds).
 _STEP_END, _FORWARD_END, _OPTIMIZER_END = int(Mark.STEP_END), int(Mark.FORWARD_END), int(Mark.OPTIMIZER_END)
 _LOOP_COMM_BEGIN, _LOOP_COMM_END = int(Mark.LOOP_COMM_BEGIN), int(Mark.LOOP_COMM_END)
+_BACKWARD_END = int(Mark.BACKWARD_END)
 _RSS_UNIT = 1 if sys.platform == "darwin" else 1024  # ru_maxrss is bytes on macOS, KiB on Linux
 MEMORY_EVERY = 8
 """Steps between memory reads: a high-water mark (host peak RSS, CUDA allocator max) only grows, and reading
@@ -161,6 +162,12 @@ class StepRecorder:
     def count_grad_sync(self) -> None:
         self._step_syncs += 1
 
+    def gradients_cleared(self) -> None:
+        """`zero_grad()` after a backward and no optimizer step: one skipped (GradScaler's, on inf or NaN
+        gradients) is a step too, not merged into the next (never closing when every step is skipped)."""
+        if self.in_step and not self._stepped and _BACKWARD_END in self._marks:
+            self._stepped = True
+
     def forward_untrained(self) -> None:
         """The open step's last forward had no backward (the loop skipped its batch): no micro-batch."""
         if self.in_step and self._step_micro:
@@ -177,8 +184,7 @@ class StepRecorder:
         self.wants_fingerprint = False
 
     def label_step(self, label: int) -> None:
-        """The framework's own number for the open step (e.g. Lightning's `global_step`), when it does not
-        simply count optimizer steps (manual optimization with several optimizers)."""
+        """The framework's own number for the open step (Lightning's `global_step`, with several optimizers)."""
         self._label = label
 
     # -- step bookkeeping -----------------------------------------------------------------------------
@@ -190,8 +196,7 @@ class StepRecorder:
         self._memory = memory
 
     def stop(self) -> None:
-        """Record nothing more: the open step is dropped and no step opens again (closed steps stay for a
-        last flush)."""
+        """Record nothing more: the open step is dropped, none opens again (closed steps stay for a flush)."""
         self._stopped = True
         self.in_step = False
         self.wants_fingerprint = False
@@ -208,8 +213,7 @@ class StepRecorder:
         return steps_done - 1 + self.step_origin
 
     def current_label(self, open_step: bool = False) -> int:
-        """The label of the last closed step (or of the open one): the framework's own number where it gave
-        one (`label_step`), as in the step's record."""
+        """The last closed step's label (or the open one's): the framework's own where it gave one (`label_step`)."""
         if open_step and self.in_step and self._label is not None:
             return self._label
         if not open_step and self.last_label is not None:
@@ -227,13 +231,10 @@ class StepRecorder:
     def completed(self) -> tuple[int, int, int]:
         """(optimizer steps, gradient syncs, micro-batches) done so far, counting the step that has just
         stepped but not yet closed (a checkpoint saved right after `optimizer.step()` includes it)."""
+        steps, syncs, micro = self.steps_done, self.grad_syncs, self.micro_batches
         if self._stepped:
-            return (
-                self.steps_done + 1,
-                self.grad_syncs + self._step_syncs,
-                self.micro_batches + self._step_micro,
-            )
-        return (self.steps_done, self.grad_syncs, self.micro_batches)
+            return steps + 1, syncs + self._step_syncs, micro + self._step_micro
+        return steps, syncs, micro
 
     def counters(self) -> dict[str, int]:
         """The counters a checkpoint carries (see `completed`)."""

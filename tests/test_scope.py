@@ -1013,3 +1013,26 @@ def test_gradients_taken_with_autograd_grad_keep_backward_timed_after_the_trial(
     scope.finish()
     arrays = load_run(tmp_path).arrays
     assert (arrays.phases[arrays.steps > OUTPUT_TRIAL + 1, 0, PHASES.index("backward")] > 0).all()
+
+
+def test_steps_the_optimizer_skipped_are_steps_and_a_loss_gone_nan_for_good_is_seen(tmp_path):
+    # GradScaler skips optimizer.step() while the gradients hold inf or NaN. Merged into the next step, the
+    # skipped ones never closed once the loss went NaN for good: the NaN was never reported.
+    model = torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu")
+    scope = Scope(tmp_path, console=False, hang_timeout=None).watch(model, opt)
+    for i in range(40):
+        x = torch.randn(4, 8) * (math.nan if i >= 30 else 1.0)
+        loss = model(x).pow(2).mean()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        scope.log(loss=loss)
+    scope.finish()
+    run = load_run(tmp_path)
+    assert run.arrays.n_steps == 40
+    assert run.arrays.optimizer_steps[:, 0].tolist() == [1.0] * 30 + [0.0] * 10
+    summary = summarize(run.arrays, run.context)
+    assert "CONVERGENCE.NONFINITE" in {f.code for f in summary.findings}
