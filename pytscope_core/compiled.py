@@ -111,10 +111,12 @@ class CallWrappers:
             if before is None:
                 model.__dict__.pop(attr, None)
             else:
-                setattr(model, attr, before)
+                model.__dict__[attr] = before
         self._wrapped.clear()
 
     def _wrap(self, model: Any, attr: str) -> None:
+        # Into the instance's own dict: a wrapper module whose `__setattr__` passes attributes on to the module
+        # it wraps (Fabric's) would set ours there, where it calls the wrapper, which calls it, forever.
         before = model.__dict__.get(attr)
-        setattr(model, attr, self._make(uncompiled(model), getattr(model, attr)))
+        model.__dict__[attr] = self._make(uncompiled(model), getattr(model, attr))
         self._wrapped.append((model, attr, before))

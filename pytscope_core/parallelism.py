@@ -74,6 +74,12 @@ def detect(model: Any, world_size: int) -> Parallelism:
     return Parallelism(name, name in (DDP, FSDP2))
 
 
+def inside_fabric(model: Any) -> Any:
+    """The module inside Lightning Fabric's wrapper (`fabric.setup`), DDP's wrapper or the model itself: its
+    forward is what trains, and DDP's flags tell whether a backward syncs; the model otherwise."""
+    return getattr(model, "_forward_module", model) if type(model).__name__ == "_FabricModule" else model
+
+
 def unwatched_models(prepared: Iterable[Any], watched: Iterable[Any]) -> list[Any]:
     """The models of `prepared` (a framework's list of the models it set up) that train (a parameter requires
     grad) and that no model of `watched` is or wraps (DDP's `module`, inside torch.compile's wrapper)."""

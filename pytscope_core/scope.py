@@ -35,7 +35,7 @@ from .flops import StepFlops
 from .hooks import TorchHooks
 from .options import ScopeOptions
 from .output import say
-from .parallelism import UNWATCHED, current_rank, current_world_size, detect
+from .parallelism import UNWATCHED, current_rank, current_world_size, detect, inside_fabric
 from .recorder import StepRecorder
 from .session import RunSession
 from .values import ScalarLog
@@ -125,6 +125,7 @@ class Scope:
             self.say("watch() after finish(): this scope has ended and records nothing; make a new Scope")
             return self
         try:
+            model = inside_fabric(model)
             if model is not None and all(m is not model for m in self._watched):  # twice would count twice
                 self._watched.append(model)
                 device = _cuda_device_of(model) if self._clock is None else None
@@ -155,8 +156,7 @@ class Scope:
         self.parallelism = detect(model, current_world_size())
 
     def use_cuda_clock(self, device: Any = None) -> None:
-        """Time phases with CUDA events on `device` (default: the current one), resolved lazily at each
-        gather; memory is that device's allocator high-water mark, read every 8th step like the host's."""
+        """Time with CUDA events on `device` (default: current), resolved at gathers; memory: its allocator's peak."""
         clock = CudaEventClock(device)
         self.recorder.use_clock(clock, clock.peak_memory)
 

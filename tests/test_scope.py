@@ -1036,3 +1036,22 @@ def test_steps_the_optimizer_skipped_are_steps_and_a_loss_gone_nan_for_good_is_s
     assert run.arrays.optimizer_steps[:, 0].tolist() == [1.0] * 30 + [0.0] * 10
     summary = summarize(run.arrays, run.context)
     assert "CONVERGENCE.NONFINITE" in {f.code for f in summary.findings}
+
+
+def test_a_model_set_up_by_lightning_fabric_trains_and_is_timed_inside_its_wrapper(tmp_path):
+    # Fabric's wrapper passes attributes set on it to the module inside: the forward wrapper set on it called
+    # the wrapper, which called it, until RecursionError, at the first step of the user's training.
+    from lightning.fabric import Fabric
+
+    fabric = Fabric(accelerator="cpu", devices=1)
+    model = fabric.setup_module(torch.nn.Linear(8, 1))
+    opt = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.01))
+    scope = Scope(tmp_path, console=False, hang_timeout=None).watch(model, opt)
+    for _ in range(6):
+        fabric.backward(model(torch.randn(4, 8)).pow(2).mean())
+        opt.step()
+        opt.zero_grad()
+    scope.finish()
+    model(torch.randn(4, 8))  # put back as it was
+    arrays = load_run(tmp_path).arrays
+    assert arrays.n_steps == 6 and (arrays.phases[:, 0, PHASES.index("forward")] > 0).all()

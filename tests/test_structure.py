@@ -29,6 +29,8 @@ FOREIGN_PRIVATE = {
     "unit._get_fsdp_state()._fsdp_param_groups",
     # torch.compile's wrapper module keeps the module it compiles there, with no public getter (compiled.py)
     "model._orig_mod",
+    # Lightning Fabric's wrapper keeps the module it runs (DDP, or the model) there, with no public getter
+    "model._forward_module",
     "torch._dynamo",  # torch < 2.3 has `is_compiling` there only (compiled.py)
     # FLOPs counted as torch's FlopCounterMode counts them, by each op's family's formula, without the module
     # tracker that hooks the user's graph (flops.py)
