@@ -143,6 +143,24 @@ class TimedMethod:
         return hash(self.method)
 
 
+DDP_BUFFER_SYNC = ("_sync_buffers",)
+"""DDP's broadcast of its buffers (BatchNorm's statistics, `broadcast_buffers=True`) from rank 0, at the start
+of each forward: the ranks ahead wait there for the one behind."""
+
+
+def time_buffer_sync(
+    model: Any, hooks: _Hooks, on_error: Callable[[BaseException], None]
+) -> Callable[[], None]:
+    """Time the buffer broadcast of `model`, if a DDP model, as a wait (`time_methods`, on the instance);
+    return the undo."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not isinstance(model, DistributedDataParallel):
+        return lambda: None
+    time_methods(model, DDP_BUFFER_SYNC, hooks, on_error)
+    return functools.partial(untime_methods, model, DDP_BUFFER_SYNC)
+
+
 def untime_methods(owner: Any, names: Iterable[str]) -> None:
     """Each `owner.name` as it was before `time_methods`, unless another tool wrapped it since (that wrapper
     keeps ours inside it, which marks nothing once its scope has ended)."""

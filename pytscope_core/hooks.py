@@ -21,6 +21,7 @@ from typing import Any
 
 from .backward import BackwardTimer
 from .batches import batch_tensor, fingerprint
+from .collectives import time_buffer_sync
 from .compiled import CallWrappers, compiled_in_place, is_compiling_function, outside_compiled, uncompiled
 from .flops import FlopEstimate
 from .fsdp import FSDPCommTimer
@@ -128,13 +129,13 @@ class TorchHooks:
 
     # -- installation ---------------------------------------------------------------------------------
     def watch_model(self, model: Any) -> None:
-        """Time the forward of `model` (its instance `forward` is wrapped: module hooks would push every call
-        off nn.Module's fast path, ~8 us) and its backward. An FSDP2 root is timed by module hooks around FSDP's
-        own (its forward starts with FSDP's all-gather, before `forward`; FSDP's hooks took it off the fast path
-        already). A model compiled in place has its compiled call wrapped, outside what torch.compile traces."""
+        """Time `model`'s forward (its instance `forward` wrapped: module hooks would take every call off the
+        fast path, ~8 us; an FSDP2 root's by hooks around FSDP's own; a model compiled in place, its compiled
+        call), its backward and DDP's buffer broadcast."""
         import torch
 
         self.is_ddp = isinstance(uncompiled(model), torch.nn.parallel.DistributedDataParallel)
+        self._undo.append(time_buffer_sync(uncompiled(model), self, self._on_error))
         self.watch_backward(model)
         if self.sharded is not None and self.sharded.is_unit(model) and not compiled_in_place(model):
             self.sharded.time_root_forward(model, self._forward_entered, self._forward_left)

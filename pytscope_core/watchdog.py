@@ -186,7 +186,7 @@ def classify_hang(
         detail += (
             f". Rank{'s' if len(behind) > 1 else ''} {format_ranks(behind)} {'are' if len(behind) > 1 else 'is'} "
             "furthest behind: the others most likely wait for it in a collective pytscope does not time "
-            "(a buffer broadcast; a barrier or a metric's all-reduce outside `scope.collective()`)"
+            "(an asynchronous collective's wait outside `scope.collective()`, one inside torch's own code)"
             if behind
             else ""
         ) + "."

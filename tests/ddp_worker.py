@@ -49,7 +49,7 @@ def _main(rank: int, world: int, port: int, o: dict[str, Any]) -> None:
                 dist.distributed_c10d._get_default_store().set(key, value)
         dist.barrier()
     torch.manual_seed(0)
-    model = TwoHeads() if o.get("heads") else torch.nn.Sequential(*_layers())
+    model = TwoHeads() if o.get("heads") else torch.nn.Sequential(*_layers(o.get("batchnorm", False)))
     if o.get("work_ms"):  # forward work that takes the same wall time on every rank, however busy the cores
         model.register_forward_pre_hook(lambda *_: spin(o["work_ms"]))
     ddp = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=bool(o.get("heads")))
@@ -116,10 +116,11 @@ def _main(rank: int, world: int, port: int, o: dict[str, Any]) -> None:
     time.sleep(0.1)
 
 
-def _layers() -> list[Any]:
+def _layers(batchnorm: bool = False) -> list[Any]:
     import torch
 
-    return [torch.nn.Linear(32, 256), torch.nn.ReLU(), torch.nn.Linear(256, 4)]
+    norm = [torch.nn.BatchNorm1d(256)] if batchnorm else []  # (buffers DDP broadcasts at each forward)
+    return [torch.nn.Linear(32, 256), *norm, torch.nn.ReLU(), torch.nn.Linear(256, 4)]
 
 
 def TwoHeads() -> Any:  # noqa: N802 - a class, built where torch is imported (in the spawned process)

@@ -61,6 +61,16 @@ def test_a_rank_that_makes_the_others_wait_in_the_loops_own_all_reduce_is_named(
     assert slow["local_ms"] - fast["local_ms"] > 4.0 and fast["sync_wait_ms"] > 4.0, s["distributed"]
 
 
+def test_a_rank_that_makes_the_others_wait_in_ddps_buffer_broadcast_is_named(tmp_path):
+    # With BatchNorm, DDP broadcasts its buffers as each forward starts: the others wait for the slow rank
+    # there, inside their forward, before the gradient all-reduce can show anything.
+    ddp_worker.run(2, dict(run_dir=str(tmp_path), steps=150, spin_ms=10.0, batchnorm=True))
+    s = report(tmp_path)
+    assert s["distributed"]["stragglers"] == [1], s["distributed"]
+    fast, slow = s["distributed"]["per_rank"]
+    assert slow["local_ms"] - fast["local_ms"] > 4.0 and fast["sync_wait_ms"] > 4.0, s["distributed"]
+
+
 def test_healthy_run_is_clean(tmp_path):
     # Each step does 10 ms of work by the wall clock on both ranks, against a ~0.3 ms all-reduce that another
     # process on the cores can stretch by a millisecond or two without making the job communication-bound.
