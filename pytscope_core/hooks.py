@@ -272,8 +272,7 @@ class TorchHooks:
             self.flop_estimate = None
 
     def end_flop_count(self) -> None:
-        """What follows is not training (a pause, an epoch's end, the end of the run): a FLOP count running
-        ends here (`FlopEstimate.interrupt`)."""
+        """What follows is not training (a pause, an epoch's end, the run's end): a FLOP count ends here."""
         if self.flop_estimate is not None and self.flop_estimate.interrupt(self.recorder.completed[0]):
             self.flop_estimate = None
 
@@ -360,7 +359,8 @@ class TorchHooks:
         if not isinstance(shape, tuple):  # not a tensor or an array there: search the batch
             t = batch_tensor(batch)
             shape = getattr(t, "shape", None)
-        self._batch_samples = shape[0] if shape else math.nan  # (a 0-d tensor's shape is empty)
+        size, pending = (shape[0] if shape else math.nan), self._batch_samples  # (a 0-d tensor: no size)
+        self._batch_samples = size + pending if pending == pending else size  # zipped loaders: both batches
         if self.recorder.wants_fingerprint:  # of a tensor or an array (not, say, a data frame's rows)
             self.recorder.set_fingerprint(fingerprint(t if hasattr(t, "dtype") else batch_tensor(batch)))
 

@@ -1055,3 +1055,20 @@ def test_a_model_set_up_by_lightning_fabric_trains_and_is_timed_inside_its_wrapp
     model(torch.randn(4, 8))  # put back as it was
     arrays = load_run(tmp_path).arrays
     assert arrays.n_steps == 6 and (arrays.phases[:, 0, PHASES.index("forward")] > 0).all()
+
+
+def test_two_loaders_zipped_count_both_batches_samples(tmp_path):
+    # Multi-task: `for a, b in zip(loader_a, loader_b)`, one forward on both. The last fetch's size alone
+    # was the step's samples.
+    model = torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    first = DataLoader(TensorDataset(torch.randn(64, 8)), batch_size=8)
+    second = DataLoader(TensorDataset(torch.randn(64, 8)), batch_size=4)
+    scope = Scope(tmp_path, console=False, hang_timeout=None).watch(model, opt, first)
+    scope.watch(loader=second)
+    for (a,), (b,) in zip(first, second, strict=False):
+        model(torch.cat([a, b])).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    scope.finish()
+    assert load_run(tmp_path).arrays.samples[:, 0].tolist() == [12.0] * 8

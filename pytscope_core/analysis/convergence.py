@@ -31,7 +31,11 @@ TREND_EDGE_BLOCKS = 5
 TREND_T_CRIT = 3.9
 """One-sided critical t (about p = 0.001 at the ~12 effective degrees of freedom of the noise estimate)."""
 TREND_MIN_RELATIVE_CHANGE = 0.05
-"""A change under 5% of the starting level is "flat" whatever its significance."""
+"""A change under 5% of the starting level is "flat" whatever its significance, unless a fall of at least
+TREND_MIN_SLOW_FALL with TREND_T_CRIT..."""
+TREND_MIN_SLOW_FALL = 0.01
+"""...which is "improving" (slowly): a loss falling steadily by 1-5% over the window, as late in a long run,
+is going somewhere; called "flat" it was a MED finding that the loss had stopped improving."""
 
 TREND_UNCLEAR_T = 2.0
 """A fall of TREND_MIN_RELATIVE_CHANGE or more whose t is between this and TREND_T_CRIT is "unclear", not
@@ -171,7 +175,7 @@ def loss_trend(loss: np.ndarray) -> LossTrend:
     diff, se, first = _edge_change(x)
     t = diff / se if se > 0 else (0.0 if diff == 0 else math.copysign(math.inf, diff))
     rel = diff / abs(first) if first != 0 else (0.0 if diff == 0 else math.copysign(math.inf, diff))
-    if t <= -TREND_T_CRIT and rel <= -TREND_MIN_RELATIVE_CHANGE:
+    if t <= -TREND_T_CRIT and rel <= -TREND_MIN_SLOW_FALL:
         trend = "improving"
     elif t >= TREND_T_CRIT and rel >= TREND_MIN_RELATIVE_CHANGE:
         trend = "worsening"
