@@ -3,16 +3,18 @@
 Lightning runs `training_step` and backward inside the torch optimizer's `step(closure)`, so the optimizer's
 pre-hook would fire before the forward; the callback therefore marks the phases from Lightning's own hooks in
 their real order: the wait for a batch is what Lightning's training loop brackets for its profiler
-(`_on_before_fetch` / `_on_after_fetch`, around the fetch itself) and is the loop top, the forward starts at
-`on_train_batch_start` and ends in `on_before_backward` (backward itself is timed by the core's gradient-ready
-hooks on the module's parameters), the optimizer starts where the closure ends (after
-`on_before_optimizer_step` and gradient clipping) and ends at the torch optimizer's post-hook. What runs
-between (other callbacks, the loop's bookkeeping, moving the batch to the device) is `other`. The strategy's
-collectives (`self.log(..., sync_dist=True)`'s reduce, a barrier) and the epoch loop's SIGTERM broadcast at
-the top of every batch are waits for the other ranks, `comm`, wherever they fall. Validation, checkpoint
-saving and epoch boundaries are paused, so they are not charged to a step. All the logic (recording, gathers,
-diagnosis, the run directory, the summary) lives in `pytscope_core.Scope`; every hook here is a few lines, and
-an exception in any of them disables the scope, never the fit.
+(`_on_before_fetch` / `_on_after_fetch`, around the fetch itself) and is the loop top, the forward starts
+where the loop calls the strategy's `training_step` and ends in `on_before_backward` (backward itself is
+timed by the core's gradient-ready hooks on the module's parameters), the optimizer starts where the closure
+ends (after `on_before_optimizer_step` and gradient clipping) and ends at the torch optimizer's post-hook.
+What runs between (every callback's and the module's `on_train_batch_start`, whatever the callbacks' order,
+the loop's bookkeeping, moving the batch to the device) is `other`. The strategy's collectives (`self.log(...,
+sync_dist=True)`'s reduce, a barrier) and the epoch loop's SIGTERM broadcast at the top of every batch are
+waits for the other ranks, `comm`, wherever they fall. A `training_step(self, dataloader_iter)` fetches
+inside: its step opens where the loop calls it, and its forward starts after the fetch. Validation, checkpoint
+saving and epoch ends are paused from before their first hook, so they are not charged to a step. All the
+logic (recording, gathers, diagnosis, the run directory, the summary) lives in `pytscope_core.Scope`; every
+hook here is a few lines, and an exception in any of them disables the scope, never the fit.
 """
 
 from __future__ import annotations
@@ -129,11 +131,12 @@ class ScopeCallback(Callback):
     def on_train_start(self, scope: Scope, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._watch(scope, trainer, pl_module)  # first: it picks the clock, which the run's metadata records
         scope.start()  # collective: every rank is here, after the strategy set up the process group
-        # With `dataloader_iter`, Lightning's fetch hooks run inside training_step: the step opens at the batch.
+        # With `dataloader_iter`, Lightning's fetch hooks run inside training_step: the step opens there.
         self._fetch_in_step = is_param_in_hook_signature(
             pl_module.training_step, "dataloader_iter", explicit=True
         )
-        self._fetch_timed = _time_fetches(scope, trainer, forward_after_fetch=self._fetch_in_step)
+        self._fetch_timed = _time_fetches(scope, trainer, fetch_in_step=self._fetch_in_step)
+        _mark_training_step(scope, trainer, opens_step=self._fetch_in_step and self._fetch_timed)
         _pause_where_hooks_come_late(scope, trainer)
         self._optimizer_after_clipping = _mark_optimizer_after_clipping(scope, trainer)
         for owner, names in _collectives(trainer):
@@ -168,16 +171,13 @@ class ScopeCallback(Callback):
     def on_train_batch_start(
         self, scope: Scope, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        scope.resume()  # ends a checkpoint or epoch-boundary pause; a no-op on the timeline otherwise
-        if self._fetch_in_step and self._fetch_timed:  # the loop top; the forward begins after the fetch
-            scope.hooks.data_begin()
-            scope.recorder.label_step(trainer.global_step)
+        if self._fetch_in_step and self._fetch_timed:  # the step opens where training_step is called
             return
+        scope.resume()  # ends a checkpoint or epoch-boundary pause; a no-op on the timeline otherwise
         if not self._fetch_timed:
             scope.hooks.data_end(batch)
         scope.hooks.note_batch(batch)
         scope.recorder.label_step(trainer.global_step)  # what Lightning's loggers call this step
-        scope.hooks.forward_begin()
 
     @_guarded
     def on_before_backward(
@@ -215,13 +215,8 @@ class ScopeCallback(Callback):
 
     # No resume in on_validation_end: the module's own on_validation_end and the loop's teardown run after the
     # callbacks' hook. The pause runs to the end of the step it is in (the next fetch opens a new step) or,
-    # without the fetch hooks, to the next batch (on_train_batch_start).
-
-    @_guarded
-    def on_train_epoch_end(self, scope: Scope, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # Epoch-end hooks are not part of any step: the pause runs to the end of the epoch's last step (the
-        # next fetch opens a new step, so the next epoch's loader start-up is its first step's wait for data).
-        scope.pause()
+    # without the fetch hooks, to the next batch (on_train_batch_start). No on_train_epoch_end either: the
+    # epoch's end is paused before any callback's hook runs (`_pause_where_hooks_come_late`).
 
     # -- helpers ------------------------------------------------------------------------------------------
     def _watch(self, scope: Scope, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -275,11 +270,12 @@ def _batches_per_step(trainer: pl.Trainer, pl_module: pl.LightningModule) -> int
     return int(trainer.accumulate_grad_batches) if pl_module.automatic_optimization else 1
 
 
-def _time_fetches(scope: Scope, trainer: pl.Trainer, forward_after_fetch: bool = False) -> bool:
+def _time_fetches(scope: Scope, trainer: pl.Trainer, fetch_in_step: bool = False) -> bool:
     """Mark the wait for each training batch around the fetch itself, with the hooks Lightning's training loop
     hands its data fetcher for profiling (this loop instance only; undone at train end). False on a Lightning
     without them: the callback then takes the time from `on_train_batch_end` to the next batch as the wait.
-    `forward_after_fetch`: the fetch is inside training_step (`dataloader_iter`), where the forward follows.
+    `fetch_in_step`: the fetch is inside training_step (`dataloader_iter`), whose call opened the step with
+    the wait for data (`_mark_training_step`); the forward follows the fetch.
     """
     loop = trainer.fit_loop.epoch_loop
     before, after = getattr(loop, "_on_before_fetch", None), getattr(loop, "_on_after_fetch", None)
@@ -288,17 +284,18 @@ def _time_fetches(scope: Scope, trainer: pl.Trainer, forward_after_fetch: bool =
     hooks = scope.hooks
 
     def on_before_fetch() -> None:
-        try:
-            hooks.data_begin()  # the loop top
-        except Exception as exc:
-            scope.fail(exc)
+        if not fetch_in_step:
+            try:
+                hooks.data_begin()  # the loop top
+            except Exception as exc:
+                scope.fail(exc)
         before()
 
     def on_after_fetch() -> None:
         after()
         try:
             hooks.data_fetched()
-            if forward_after_fetch:
+            if fetch_in_step:
                 hooks.forward_begin()
         except Exception as exc:
             scope.fail(exc)
@@ -309,16 +306,55 @@ def _time_fetches(scope: Scope, trainer: pl.Trainer, forward_after_fetch: bool =
 
 
 def _pause_where_hooks_come_late(scope: Scope, trainer: pl.Trainer) -> None:
-    """Pause from the start of every `trainer.save_checkpoint` (ModelCheckpoint's and the user's) and of every
-    validation run inside fit, to the next batch (this trainer only; undone at train end). Lightning's hooks
-    come too late for both: the model's and optimizers' state (an FSDP full state dict) is gathered before
-    `on_save_checkpoint`, and the validation loader's workers start before `on_validation_start`."""
+    """Pause from the start of every `trainer.save_checkpoint` (ModelCheckpoint's and the user's), of every
+    validation run inside fit and of every epoch's end, to the next batch (this trainer only; undone at train
+    end). Lightning's hooks come too late for all three: the model's and optimizers' state (an FSDP full state
+    dict) is gathered before `on_save_checkpoint`, the validation loader's workers start before
+    `on_validation_start`, and the callbacks listed before this one run their `on_train_epoch_end` before its
+    own. The epoch's end is the fit loop's `on_advance_end` (every callback's and the module's
+    `on_train_epoch_end`, epoch-interval schedulers, epoch metrics); its pause runs to the end of the epoch's
+    last step (the next fetch opens a new step, so the next epoch's loader start-up is its first step's wait
+    for data)."""
     for owner, name in _paused_methods(trainer):
         _pause_before(scope, owner, name)
 
 
 def _paused_methods(trainer: pl.Trainer) -> tuple[tuple[Any, str], ...]:
-    return ((trainer, "save_checkpoint"), (trainer.fit_loop.epoch_loop.val_loop, "run"))
+    return (
+        (trainer, "save_checkpoint"),
+        (trainer.fit_loop.epoch_loop.val_loop, "run"),
+        (trainer.fit_loop, "on_advance_end"),
+    )
+
+
+def _mark_training_step(scope: Scope, trainer: pl.Trainer, opens_step: bool) -> None:
+    """Mark where the loop calls the strategy's `training_step` (wrapped on this instance; undone at train
+    end), after every callback's and the module's `on_train_batch_start`, so that their work is `other`
+    whatever the order of the callbacks (this callback's own hook runs among them). The forward begins there.
+    A `training_step(self, dataloader_iter)` fetches its batch inside: there (`opens_step`) its step opens
+    instead, with the wait for data, and that work ends the step before, as work after an optimizer step does
+    in a loop that fetches at its top."""
+    strategy, hooks = trainer.strategy, scope.hooks
+    training_step = strategy.training_step
+
+    def mark() -> None:
+        if not opens_step:
+            hooks.forward_begin()
+            return
+        scope.resume()  # ends a checkpoint or epoch-boundary pause
+        hooks.data_begin()  # the loop top
+        scope.recorder.label_step(trainer.global_step)  # what Lightning's loggers call this step
+
+    @functools.wraps(training_step)
+    def marked_first(*args: Any, **kwargs: Any) -> Any:
+        try:
+            mark()
+        except Exception as exc:
+            scope.fail(exc)
+        return training_step(*args, **kwargs)
+
+    marked_first.pytscope_step = True  # type: ignore[attr-defined]
+    strategy.training_step = marked_first  # type: ignore[method-assign]
 
 
 def _pause_before(scope: Scope, owner: Any, name: str) -> None:
@@ -370,7 +406,8 @@ def _collectives(trainer: pl.Trainer) -> tuple[tuple[Any, tuple[str, ...]], ...]
 
 def _unhook_trainer(trainer: pl.Trainer) -> None:
     # The loop hands these to each epoch's fetcher: with the instance's own gone, the next fit profiles as
-    # usual; the trainer's own save_checkpoint, the validation loop's run and the collectives are back.
+    # usual; the trainer's own save_checkpoint, the loops' validation run and epoch end, the strategy's
+    # training_step and the collectives are back.
     for name in ("_on_before_fetch", "_on_after_fetch"):
         trainer.fit_loop.epoch_loop.__dict__.pop(name, None)
     for owner, name in _paused_methods(trainer):
@@ -378,6 +415,7 @@ def _unhook_trainer(trainer: pl.Trainer) -> None:
     for owner, names in _collectives(trainer):
         untime_methods(owner, names)
     restore_method(trainer.strategy.precision_plugin, "_after_closure", "pytscope_optimizer")
+    restore_method(trainer.strategy, "training_step", "pytscope_step")
 
 
 def _end_progress_bar(trainer: pl.Trainer) -> None:

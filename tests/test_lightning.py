@@ -496,6 +496,109 @@ def test_a_training_step_that_fetches_its_own_batches_is_timed_step_by_step(tmp_
     assert forward >= 4.0 and other < 2.0, (forward, other)
 
 
+# A fit whose user code sleeps in one hook (argv: run dir, hook, where, ms, fetch): in a callback listed
+# before ScopeCallback, in one listed after it, or in the module's own hook. 3 epochs of 16 batches, fetched
+# by the loop or by `training_step(self, dataloader_iter)`.
+USER_HOOK_JOB = """
+import sys
+import time
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch.utils.data import DataLoader, TensorDataset
+
+from pytscope_lightning import ScopeCallback
+
+run_dir, hook, where, ms, fetch = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4]), sys.argv[5]
+
+
+def work(name):
+    if name == hook:
+        time.sleep(ms / 1e3)
+
+
+class UserCallback(Callback):
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        work("on_train_batch_start")
+
+    def on_train_epoch_end(self, trainer, module):
+        work("on_train_epoch_end")
+
+
+class Module(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Linear(8, 1)
+
+    def training_step(self, batch, batch_idx):
+        return torch.nn.functional.mse_loss(self.net(batch[0]), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    def on_train_batch_start(self, batch, batch_idx):
+        if where == "module":
+            work("on_train_batch_start")
+
+    def on_train_epoch_end(self):
+        if where == "module":
+            work("on_train_epoch_end")
+
+
+class FetchingModule(Module):
+    def training_step(self, dataloader_iter):
+        batch, _, _ = next(dataloader_iter)
+        return super().training_step(batch, 0)
+
+
+torch.set_num_threads(1)
+scope = ScopeCallback(run_dir=run_dir, interval=16, console=False)
+callbacks = {"before": [UserCallback(), scope], "after": [scope, UserCallback()], "module": [scope]}[where]
+trainer = pl.Trainer(
+    accelerator="cpu", devices=1, max_epochs=3, callbacks=callbacks, logger=False, enable_checkpointing=False,
+    enable_progress_bar=False, enable_model_summary=False,
+)
+data = TensorDataset(torch.randn(64, 8), torch.randn(64, 1))
+trainer.fit(FetchingModule() if fetch == "dataloader_iter" else Module(), DataLoader(data, batch_size=4))
+assert "on_advance_end" not in trainer.fit_loop.__dict__, "the scope's wrapper is left on the fit loop"
+assert "training_step" not in trainer.strategy.__dict__, "the scope's wrapper is left on the strategy"
+"""
+
+
+@pytest.mark.parametrize("where", ["before", "after", "module"])
+def test_epoch_end_work_is_not_charged_to_a_step_whatever_the_callbacks_order(
+    tmp_path: Path, where: str
+) -> None:
+    # The pause began in ScopeCallback's own on_train_epoch_end: a callback listed before it ran its 250 ms
+    # there inside the epoch's last step (a false stall; on DDP, rank-0-only work there was a false hang).
+    script, run_dir = tmp_path / "job.py", tmp_path / "run"
+    script.write_text(USER_HOOK_JOB)
+    _run(script, run_dir, "on_train_epoch_end", where, 250, "loop", cwd=tmp_path)
+    rows = read_rows(run_dir)
+    assert rows[:, COL["step"]].tolist() == list(range(48))
+    assert rows[:, COL["other_ms"]].max() < 120, rows[:, COL["other_ms"]]
+    assert (rows[[15, 31], COL["excluded_ms"]] >= 200).all(), rows[:, COL["excluded_ms"]]  # paused instead
+
+
+@pytest.mark.parametrize("fetch", ["loop", "dataloader_iter"])
+@pytest.mark.parametrize("where", ["before", "after", "module"])
+def test_on_train_batch_start_work_is_other_whatever_the_callbacks_order(
+    tmp_path: Path, where: str, fetch: str
+) -> None:
+    # The forward began in ScopeCallback's own on_train_batch_start: 20 ms of a callback's listed after it, or
+    # of the module's hook, were charged to the forward, a callback's listed before it to `other`. Where
+    # training_step fetches its own batch, the step opened in that hook with a second wait for data, which the
+    # fetch never closed: the work, in any order (and any after the optimizer step), was `data`.
+    script, run_dir = tmp_path / "job.py", tmp_path / "run"
+    script.write_text(USER_HOOK_JOB)
+    _run(script, run_dir, "on_train_batch_start", where, 20, fetch, cwd=tmp_path)
+    arrays = load_run(run_dir).arrays
+    assert list(arrays.steps) == list(range(48))
+    forward, other = (np.median(arrays.phases[5:, 0, PHASES.index(p)]) for p in ("forward", "other"))
+    assert other >= 15.0 and forward < 8.0, (forward, other)
+
+
 def test_manual_optimization_with_two_optimizers_numbers_steps_as_lightning(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     _run(
