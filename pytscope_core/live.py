@@ -29,6 +29,7 @@ import numpy as np
 from .arrays import RunArrays
 from .context import CountsCheck, ReplicaCheck, RunContext, Segment
 from .findings import Finding, Severity
+from .output import say
 from .records import COL, NCOLS
 from .reporter import RunReporter
 from .rundir import iter_rows, run_columns, run_world, sound_rows
@@ -165,7 +166,15 @@ class LiveDiagnosis:
         with self._lock:
             values, self._metrics = self._metrics, None
         if values is not None and self.metrics_sink is not None:
-            self.metrics_sink(values, step)
+            try:
+                self.metrics_sink(values, step)
+            except Exception as exc:  # the user's logger's fault, not the scope's: only live metrics stop
+                self.metrics_sink = None
+                message = (
+                    f"a logger raised {type(exc).__name__} ({exc}) on pytscope's metrics: live metrics off"
+                )
+                self.errors.append(message)
+                say(0, message)
 
     def context(self, first_step: int | None = None) -> RunContext:
         """The run's context for a diagnosis of the steps from `first_step` on: a hang report every rank went

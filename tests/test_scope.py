@@ -1072,3 +1072,18 @@ def test_two_loaders_zipped_count_both_batches_samples(tmp_path):
         opt.zero_grad()
     scope.finish()
     assert load_run(tmp_path).arrays.samples[:, 0].tolist() == [12.0] * 8
+
+
+def test_a_logger_that_raises_on_the_live_metrics_turns_them_off_not_the_scope(tmp_path):
+    def broken_logger(metrics, step):
+        raise ConnectionError("tracking server unreachable")
+
+    model = torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scope = Scope(tmp_path, console=False, hang_timeout=None, interval=5, warmup=1).watch(model, opt)
+    scope.set_metrics_sink(broken_logger)
+    linear_steps(model, opt, 30)
+    assert scope.enabled
+    scope.finish()
+    assert load_run(tmp_path).arrays.n_steps == 30
+    assert any("a logger raised ConnectionError" in e for e in scope.errors), scope.errors
