@@ -28,6 +28,7 @@ from .collectives import TorchCollectives
 from .context import Segment
 from .coordinator import default_store, dist_alive
 from .findings import Finding
+from .records import COL
 from .rundir import run_warmup
 from .shards import uneven_shards_finding
 from .signals import SigtermChain
@@ -163,8 +164,7 @@ class RunSession:
         self._watchdog.start()
 
     def _hang_timeout_s(self) -> float | None:
-        """The fixed timeout, or "auto": after warm-up, the larger of 2 minutes and 20x the slowest step seen."""
-
+        """The fixed timeout, or "auto": after warm-up, 2 minutes or 20x the slowest step (`step_walls`)."""
         scope = self.scope
         timeout = scope.options.hang_timeout
         if timeout != "auto":
@@ -178,8 +178,11 @@ class RunSession:
         return AUTO_WARMUP_S if self.scope.options.hang_timeout == "auto" and self._in_warmup() else None
 
     def _in_warmup(self) -> bool:
+        return self._past_warmup() <= 0
+
+    def _past_warmup(self) -> int:
         scope = self.scope
-        return scope.recorder.steps_done - scope.resumed_from_step <= scope.options.warmup
+        return scope.recorder.steps_done - scope.resumed_from_step - scope.options.warmup
 
     def _report_hang(self, finding: Finding) -> None:
         """Called from rank 0's watchdog thread while the main thread is blocked: the gathers already handed to
@@ -215,11 +218,10 @@ class RunSession:
         counters = (float(rec.steps_done), float(rec.grad_syncs), float(rec.micro_batches), self._checksum())
         if self._watchdog is not None:
             self._watchdog.status = "gather"
+            self._watchdog.step_walls(rows[max(0, rows.shape[0] - self._past_warmup()) :, COL["wall_ms"]])
         self.own_rows.in_flight = rows
         threaded = self.ingest is not None and self.ingest.threaded
-        if (
-            self.live is not None and threaded
-        ):  # (a slow tracker: the others wait in the exchange, not a step)
+        if self.live is not None and threaded:  # a slow tracker: the others wait in the exchange, not a step
             self.live.publish_metrics(scope.step_label())  # the diagnosis done on the ingest thread since
         try:
             ex = scope.coordinator.exchange(counters, rows)

@@ -473,7 +473,8 @@ class Watchdog(threading.Thread):
         self._progress_t = _monotonic()
         self._local_beat: dict[str, Any] = {}
         self._step_seen = (recorder.steps_done, _monotonic())
-        self.slowest_step_s = 0.0  # longest gap between two step closes seen by this thread
+        self.slowest_step_s = 0.0  # the slowest step past warm-up ("auto" scales with it): see `step_walls`
+        self._walls_known = False
         # Rank 0: the severity of the hang reported, while no rank has progressed since (a MED one that
         # becomes provable is reported again, as HIGH).
         self._reported: Severity | None = None
@@ -498,6 +499,15 @@ class Watchdog(threading.Thread):
             return _where(beat).removeprefix("is ") if beat["idle_s"] >= 1.0 else None
         except Exception:  # (no beat yet: KeyError)
             return None
+
+    def step_walls(self, walls_ms: Any) -> None:
+        """Wall ms of steps past warm-up, as the scope drains them at a gather (pauses left out). Until the first,
+        the slowest step is the longest gap between two step closes this thread saw, which a validation in it,
+        or a warm-up step's compilation, lengthens: enough to put off a hang by hours."""
+        if len(walls_ms):
+            slowest = float(max(walls_ms)) / 1e3
+            self.slowest_step_s = max(self.slowest_step_s, slowest) if self._walls_known else slowest
+            self._walls_known = True
 
     def period(self) -> float:
         """Seconds until the next beat (and, on rank 0, the next check): see `beat_period`."""
@@ -560,7 +570,7 @@ class Watchdog(threading.Thread):
             self._seen = signature
             self._progress_t = now
         steps_done = signature[0]
-        if steps_done != self._step_seen[0]:
+        if steps_done != self._step_seen[0] and not self._walls_known:
             self.slowest_step_s = max(
                 self.slowest_step_s, (now - self._step_seen[1]) / (steps_done - self._step_seen[0])
             )

@@ -1087,3 +1087,23 @@ def test_a_logger_that_raises_on_the_live_metrics_turns_them_off_not_the_scope(t
     scope.finish()
     assert load_run(tmp_path).arrays.n_steps == 30
     assert any("a logger raised ConnectionError" in e for e in scope.errors), scope.errors
+
+
+def test_the_auto_hang_timeout_follows_step_times_not_a_pause_between_steps(
+    tmp_path, one_rank_group, monkeypatch
+):
+    from pytscope_core import watchdog
+
+    monkeypatch.setattr(watchdog, "BEAT_S", 0.005)  # a heartbeat that sees every step close
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scope = Scope(tmp_path, console=False, hang_timeout="auto", interval=5, warmup=2).watch(model, opt)
+    for i in range(20):
+        if i == 7:
+            with scope.paused():  # a validation between two steps
+                time.sleep(1.0)
+        linear_steps(model, opt)
+        time.sleep(0.02)
+    dog = scope.session._watchdog
+    assert dog is not None and dog.slowest_step_s < 0.5, dog.slowest_step_s
+    scope.finish()

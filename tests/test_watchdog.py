@@ -370,3 +370,25 @@ def test_ranks_all_waiting_but_in_different_collectives_name_the_one_the_others_
     same = {r: {"step": 33, "phase": "comm", "idle_s": 400.0, "syncs": 33} for r in (0, 1)}
     f = classify_hang(same, 2, 300.0)
     assert f is not None and f.ranks == () and "network" in f.detail
+
+
+def test_the_auto_timeout_scales_with_steps_past_warm_up_not_with_pauses_between_them():
+    # A validation of 600 s between two steps, seen as the gap between step closes, made "auto" 12,000 s:
+    # hang detection off for hours. Once a gather brings the steps' wall times (pauses left out), those count.
+    dog = Watchdog(
+        StepRecorder(),
+        None,
+        rank=0,
+        world_size=1,
+        run_dir=None,
+        timeout_s=lambda: None,
+        on_hang="report",
+        report=lambda finding: None,
+    )
+    dog.slowest_step_s = 600.0  # the gap across the pause, before the first gather
+    dog.step_walls([])  # a gather with nothing past warm-up yet: the estimate stands
+    assert dog.slowest_step_s == 600.0
+    dog.step_walls([120.0, 180.0])
+    assert dog.slowest_step_s == 0.18
+    dog.step_walls([90.0])
+    assert dog.slowest_step_s == 0.18
