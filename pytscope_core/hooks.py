@@ -159,8 +159,7 @@ class TorchHooks:
             self._warn(FORWARD_UNSEEN)
 
     def watch_backward(self, model: Any) -> None:
-        """Time backward (and exposed communication) from `model`'s parameters; under FSDP2, also the
-        all-gathers and reduce-scatters of its sharded units (`fsdp.FSDPCommTimer`)."""
+        """Time backward and exposed communication; under FSDP2, the units' collectives (`FSDPCommTimer`)."""
         units = fsdp2_units(model)
         if units and self.sharded is None:
             recording, in_backward = (lambda: self.recording), (lambda: self.backward.running())
@@ -216,7 +215,8 @@ class TorchHooks:
             if (
                 is_compiling()
                 or not self.recording
-                or backward.running()
+                or backward.in_backward
+                and backward.running()  # (a recomputation inside backward, unless that backward raised)
                 or not module.training
                 or not is_grad_enabled()
             ):
