@@ -40,6 +40,10 @@ class PeerDisabled(RuntimeError):
     """Another rank disabled its scope: gathering would wait for a rank that no longer comes."""
 
 
+class RanksNotMet(RuntimeError):
+    """The other ranks did not start a scope within `gather_timeout`: one was made on some processes only."""
+
+
 class Coordinator:
     """Rank and world, the scope's process group, the gather schedule, and the meeting at finish."""
 
@@ -71,9 +75,17 @@ class Coordinator:
         if self.world_size > 1:
             from .gather import Gatherer
 
-            self.gatherer = Gatherer(self.gather_timeout, capacity=self.interval)
-            chosen = place_run(run_dir, segment) if self.rank == 0 else None
-            path, segment = self.gatherer.broadcast_object(chosen)
+            try:  # the scope's first collectives: every rank meets here, or, with a scope on some only, none
+                self.gatherer = Gatherer(self.gather_timeout, capacity=self.interval)
+                chosen = place_run(run_dir, segment) if self.rank == 0 else None
+                path, segment = self.gatherer.broadcast_object(chosen)
+            except Exception as exc:
+                if "timeout" not in str(exc).lower() and "timed out" not in str(exc).lower():
+                    raise
+                raise RanksNotMet(
+                    f"the other ranks did not start a scope within gather_timeout ({self.gather_timeout:.0f} s): "
+                    "create it on every process, at a point every process reaches"
+                ) from exc
             self.store_prefix = store_prefix(segment)
             places = self.gatherer.gather_places(*local_place())
             if places is not None:

@@ -29,7 +29,7 @@ from typing import Any
 from .clocks import Clock, CudaEventClock
 from .collectives import collective_wait
 from .context import SCOPE_DISABLED
-from .coordinator import Coordinator
+from .coordinator import Coordinator, RanksNotMet
 from .findings import Finding
 from .flops import StepFlops
 from .hooks import TorchHooks
@@ -352,6 +352,8 @@ def disabled_message(exc: BaseException) -> str:
     exception of its own, while this one waited for it in a collective of the scope's, or in a hook): not the
     scope's fault, said so."""
     text = f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, RanksNotMet):
+        return f"{SCOPE_DISABLED}, training continues: {exc}"
     if any(s in str(exc) for s in PEER_GONE):
         return f"another rank left the job while this one waited for it, {SCOPE_DISABLED}, training continues: {text}"
     return f"internal error, {SCOPE_DISABLED}, training continues: {text}"

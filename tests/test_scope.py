@@ -17,6 +17,7 @@ from pytscope_core import Scope, backward
 from pytscope_core.backward import OUTPUT_TRIAL
 from pytscope_core.cli import main
 from pytscope_core.live import LIVE_STEPS
+from pytscope_core.recorder import StepRecorder
 from pytscope_core.records import COL, PHASES
 from pytscope_core.rundir import load_run, read_rows
 from pytscope_core.scope import disabled_message
@@ -1107,3 +1108,23 @@ def test_the_auto_hang_timeout_follows_step_times_not_a_pause_between_steps(
     dog = scope.session._watchdog
     assert dog is not None and dog.slowest_step_s < 0.5, dog.slowest_step_s
     scope.finish()
+
+
+def test_a_scope_the_other_ranks_never_start_says_so_not_internal_error(
+    tmp_path, one_rank_group, monkeypatch
+):
+    # A scope made on the main process only: its first collective times out after gather_timeout. That read
+    # "internal error ... DistStoreError: wait timeout".
+    import torch.distributed as dist
+
+    from pytscope_core import coordinator, gather
+
+    def never_met(*args, **kwargs):
+        raise dist.DistStoreError("wait timeout after 10000ms, keys: /default_pg/0//1//cpu//0/1")
+
+    monkeypatch.setattr(dist, "get_world_size", lambda *a, **k: 2)
+    monkeypatch.setattr(gather, "Gatherer", never_met)
+    with pytest.raises(coordinator.RanksNotMet) as raised:
+        coordinator.Coordinator(StepRecorder(), 50, 10.0).start(tmp_path)
+    message = disabled_message(raised.value)
+    assert message.startswith("scope disabled") and "gather_timeout (10 s)" in message, message
