@@ -56,7 +56,7 @@ def _jsonable(value: Any) -> Any:
         return {str(k): _jsonable(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [_jsonable(v) for v in value]
-    if isinstance(value, (np.floating, np.integer)):
+    if isinstance(value, np.generic):  # numpy's scalars (a float, an int, a bool) as Python's
         return _jsonable(value.item())
     return value
 

@@ -10,6 +10,8 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import numpy as np
+
 from .analysis.convergence import Convergence
 from .analysis.data import DuplicateShards
 from .analysis.distributed import DistributedTiming
@@ -255,7 +257,9 @@ def _plain(x: Any) -> Any:
         return {str(k): _plain(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
         return [_plain(v) for v in x]
-    if isinstance(x, bool) or x is None or isinstance(x, str):
+    if isinstance(x, (bool, np.bool_)):
+        return bool(x)
+    if x is None or isinstance(x, str):
         return x
     if isinstance(x, int):
         return int(x)

@@ -588,3 +588,15 @@ def test_a_report_on_an_ascii_terminal_replaces_what_it_cannot_draw(tmp_path):
     )
     assert proc.returncode == 0 and b"Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert b"Step-time breakdown" in proc.stdout
+
+
+def test_numpy_booleans_are_written_as_json_booleans():
+    # json.dumps refuses numpy's bool; the summary's sanitiser turned it into 1.0.
+    import json
+
+    from pytscope_core.rundir import _jsonable
+    from pytscope_core.summary import _plain
+
+    value = {"flag": np.bool_(True), "n": [np.int64(3), np.float32(0.5)]}
+    assert json.loads(json.dumps(_jsonable(value))) == {"flag": True, "n": [3, 0.5]}
+    assert _plain(value) == {"flag": True, "n": [3, 0.5]}
