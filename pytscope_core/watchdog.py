@@ -537,6 +537,12 @@ class Watchdog(threading.Thread):
                 if not self.stopped.is_set():
                     say(self.rank, f"watchdog stopped: {type(exc).__name__}: {exc}")
                 return
+            except Exception as exc:  # its own error: one line, not a thread's traceback; training goes on
+                say(
+                    self.rank,
+                    f"watchdog stopped by an internal error, hangs go unseen: {type(exc).__name__}: {exc}",
+                )
+                return
             if abort is not None:
                 self._on_hang(abort)  # (returns only when the job goes on: watching goes on too)
 

@@ -392,3 +392,27 @@ def test_the_auto_timeout_scales_with_steps_past_warm_up_not_with_pauses_between
     assert dog.slowest_step_s == 0.18
     dog.step_walls([90.0])
     assert dog.slowest_step_s == 0.18
+
+
+def test_an_error_of_the_watchdogs_own_stops_it_with_one_line(monkeypatch, capsys):
+    monkeypatch.setattr(watchdog, "BEAT_S", 0.01)
+
+    class BrokenRecorder(StepRecorder):
+        def progress(self):
+            raise KeyError("a bug")
+
+    dog = Watchdog(
+        BrokenRecorder(),
+        None,
+        rank=1,
+        world_size=2,
+        run_dir=None,
+        timeout_s=lambda: 10.0,
+        on_hang="report",
+        report=lambda finding: None,
+    )
+    dog.start()
+    dog.join(timeout=5.0)
+    assert not dog.is_alive()
+    err = capsys.readouterr().err
+    assert "watchdog stopped by an internal error" in err and "Traceback" not in err, err
