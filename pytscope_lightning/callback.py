@@ -33,7 +33,7 @@ try:
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("pytscope_lightning needs Lightning: pip install 'pytscope[lightning]'") from exc
 
-from pytscope_core.collectives import restore_method, time_methods, untime_methods
+from pytscope_core.collectives import DDP_BUFFER_SYNC, restore_method, time_methods, untime_methods
 from pytscope_core.options import ScopeOptions
 from pytscope_core.scope import Scope, raised
 from pytscope_core.shards import uneven_shards_finding
@@ -398,10 +398,15 @@ def _mark_optimizer_after_clipping(scope: Scope, trainer: pl.Trainer) -> bool:
 
 def _collectives(trainer: pl.Trainer) -> tuple[tuple[Any, tuple[str, ...]], ...]:
     """Where a step waits for the other ranks besides the gradient all-reduce (`pytscope_core.collectives`):
-    the strategy's collectives (the loop's, the user's, `self.log(..., sync_dist=True)`'s reduce) and the
-    epoch loop's broadcast of a SIGTERM flag at the top of every batch under DDP."""
+    the strategy's collectives (the loop's, the user's, `self.log(..., sync_dist=True)`'s reduce), the
+    epoch loop's broadcast of a SIGTERM flag at the top of every batch under DDP, and DDP's broadcast of its
+    buffers (BatchNorm's) as each forward starts."""
     strategy = ("barrier", "broadcast", "reduce", "all_gather", "reduce_boolean_decision")
-    return ((trainer.strategy, strategy), (trainer.fit_loop.epoch_loop, ("_broadcast_sigterm_tensor",)))
+    return (
+        (trainer.strategy, strategy),
+        (trainer.fit_loop.epoch_loop, ("_broadcast_sigterm_tensor",)),
+        (trainer.strategy.model, DDP_BUFFER_SYNC),
+    )
 
 
 def _unhook_trainer(trainer: pl.Trainer) -> None:
