@@ -83,16 +83,21 @@ def test_a_large_straggler_on_noisy_oversubscribed_ranks_is_named_and_the_same_n
         )
 
 
-def test_a_straggler_that_begins_late_is_named_from_where_it_began():
-    # Rank 1 takes 1.5x longer from step 801 of 1,200: the whole run's medians barely move (two thirds of
-    # its steps are healthy), so the whole window names nobody; its last half does, and says since when.
+def _late_straggler() -> RunArrays:
+    """4 ranks x 1,200 steps; rank 1 takes 1.5x longer from step 801."""
     rng = np.random.default_rng(0)
     compute = 10.0 * (1 + 0.04 * rng.standard_normal((1200, 4)))
     compute[800:, 1] *= 1.5
     ph = np.zeros((1200, 4, 6))
     ph[:, :, 1], ph[:, :, 2] = 0.4 * compute, 0.6 * compute
     ph[:, :, 3] = compute.max(axis=1, keepdims=True) - compute + TRANSFER_MS
-    a = analyze(RunArrays.from_arrays(ph, loss=np.linspace(2, 1, 1200)), RunContext(world_size=4))
+    return RunArrays.from_arrays(ph, loss=np.linspace(2, 1, 1200))
+
+
+def test_a_straggler_that_begins_late_is_named_from_where_it_began():
+    # Rank 1 takes 1.5x longer from step 801 of 1,200: the whole run's medians barely move (two thirds of
+    # its steps are healthy), so the whole window names nobody; its last half does, and says since when.
+    a = analyze(_late_straggler(), RunContext(world_size=4))
     assert a.distributed.stragglers == () and a.distributed.late is not None
     assert a.distributed.late.stragglers == (1,) and abs(a.distributed.late.since - 801) <= 10
     found = {f.code: f for f in run_rules(a)}
@@ -1202,13 +1207,7 @@ def test_a_late_straggler_is_the_one_the_plot_the_table_and_the_live_metric_coun
     from pytscope_core import plots
     from pytscope_core.live import metrics
 
-    rng = np.random.default_rng(0)
-    compute = 10.0 * (1 + 0.04 * rng.standard_normal((1200, 4)))
-    compute[800:, 1] *= 1.5
-    ph = np.zeros((1200, 4, 6))
-    ph[:, :, 1], ph[:, :, 2] = 0.4 * compute, 0.6 * compute
-    ph[:, :, 3] = compute.max(axis=1, keepdims=True) - compute + TRANSFER_MS
-    arrays = RunArrays.from_arrays(ph, loss=np.linspace(2, 1, 1200))
+    arrays = _late_straggler()
     a = analyze(arrays, RunContext(world_size=4))
     d = a.distributed
     assert d.stragglers == () and d.late is not None and d.late.stragglers == (1,)

@@ -51,20 +51,20 @@ def test_busy_waiting_rank_is_named_and_its_wait_is_not_communication(tmp_path):
     assert s["distributed"]["transfer_ms"] < fast["comm_ms"] - 0.6 * lag
 
 
-def test_a_rank_that_makes_the_others_wait_in_the_loops_own_all_reduce_is_named(tmp_path):
-    # Its extra work comes after its gradient all-reduce: the others wait for it in the loop's
-    # `dist.all_reduce(loss)` instead, which, counted as their own work, made every rank look alike.
-    ddp_worker.run(2, dict(run_dir=str(tmp_path), steps=150, spin_after_ms=10.0, loss_all_reduce=True))
-    s = report(tmp_path)
-    assert s["distributed"]["stragglers"] == [1], s["distributed"]
-    fast, slow = s["distributed"]["per_rank"]
-    assert slow["local_ms"] - fast["local_ms"] > 4.0 and fast["sync_wait_ms"] > 4.0, s["distributed"]
-
-
-def test_a_rank_that_makes_the_others_wait_in_ddps_buffer_broadcast_is_named(tmp_path):
-    # With BatchNorm, DDP broadcasts its buffers as each forward starts: the others wait for the slow rank
-    # there, inside their forward, before the gradient all-reduce can show anything.
-    ddp_worker.run(2, dict(run_dir=str(tmp_path), steps=150, spin_ms=10.0, batchnorm=True))
+@pytest.mark.parametrize(
+    "where",
+    [
+        # Its extra work comes after its gradient all-reduce: the others wait for it in the loop's
+        # `dist.all_reduce(loss)` instead, which, counted as their own work, made every rank look alike.
+        dict(spin_after_ms=10.0, loss_all_reduce=True),
+        # With BatchNorm, DDP broadcasts its buffers as each forward starts: the others wait for the slow rank
+        # there, inside their forward, before the gradient all-reduce can show anything.
+        dict(spin_ms=10.0, batchnorm=True),
+    ],
+    ids=["loops_own_all_reduce", "ddps_buffer_broadcast"],
+)
+def test_a_rank_that_makes_the_others_wait_outside_the_gradient_all_reduce_is_named(tmp_path, where):
+    ddp_worker.run(2, dict(run_dir=str(tmp_path), steps=150, **where))
     s = report(tmp_path)
     assert s["distributed"]["stragglers"] == [1], s["distributed"]
     fast, slow = s["distributed"]["per_rank"]

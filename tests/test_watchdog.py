@@ -375,16 +375,7 @@ def test_ranks_all_waiting_but_in_different_collectives_name_the_one_the_others_
 def test_the_auto_timeout_scales_with_steps_past_warm_up_not_with_pauses_between_them():
     # A validation of 600 s between two steps, seen as the gap between step closes, made "auto" 12,000 s:
     # hang detection off for hours. Once a gather brings the steps' wall times (pauses left out), those count.
-    dog = Watchdog(
-        StepRecorder(),
-        None,
-        rank=0,
-        world_size=1,
-        run_dir=None,
-        timeout_s=lambda: None,
-        on_hang="report",
-        report=lambda finding: None,
-    )
+    dog = Watchdog(StepRecorder(), None, 0, 1, None, lambda: None, "report", lambda finding: None)
     dog.slowest_step_s = 600.0  # the gap across the pause, before the first gather
     dog.step_walls([])  # a gather with nothing past warm-up yet: the estimate stands
     assert dog.slowest_step_s == 600.0
@@ -401,16 +392,7 @@ def test_an_error_of_the_watchdogs_own_stops_it_with_one_line(monkeypatch, capsy
         def progress(self):
             raise KeyError("a bug")
 
-    dog = Watchdog(
-        BrokenRecorder(),
-        None,
-        rank=1,
-        world_size=2,
-        run_dir=None,
-        timeout_s=lambda: 10.0,
-        on_hang="report",
-        report=lambda finding: None,
-    )
+    dog = Watchdog(BrokenRecorder(), None, 1, 2, None, lambda: 10.0, "report", lambda finding: None)
     dog.start()
     dog.join(timeout=5.0)
     assert not dog.is_alive()
