@@ -17,7 +17,6 @@ learns that branch's first gradients.
 from __future__ import annotations
 
 import time
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -122,7 +121,7 @@ class BackwardTimer:
         self._sync_pending = grad_sync
         self._awaiting = True
         if grad_sync and self._params:
-            self._grad_before = _grad_state(self._params[0])
+            self._grad_before = self._grad_states()
         t = (
             first_grad_tensor(output)
             if output is not None and (self._output_hook or not self._params)
@@ -144,7 +143,7 @@ class BackwardTimer:
             self._sync_pending = False
             # Unless no backward ran at all (the loop skipped the batch after an error on some rank): a
             # synced backward wrote the gradients on every rank, whichever parameters it reached.
-            if not self._params or _grad_changed(self._params[0], self._grad_before):
+            if not self._params or self._grad_states() != self._grad_before:
                 self.recorder.count_grad_sync()
             else:
                 self.recorder.forward_untrained()
@@ -158,6 +157,17 @@ class BackwardTimer:
             handle.remove()
         self._grad_hooks.clear()
         self._params.clear()
+
+    def grads_cleared(self) -> None:
+        """`zero_grad()` ran: what a backward since the forward would have written is gone (zeroed in place, a
+        change of version), so the gradients are compared with now."""
+        if self._sync_pending and self._params:
+            self._grad_before = self._grad_states()
+
+    def _grad_states(self) -> tuple[Any, ...]:
+        """The first and last watched parameters' gradients (`_grad_state`): a synced backward writes them on
+        every rank, unless no rank used one (a branch of the model: so two, at its two ends)."""
+        return (_grad_state(self._params[0]), _grad_state(self._params[-1]))
 
     def running(self) -> bool:
         """Whether the backward that began is still running: a forward now is its recomputation. One that
@@ -274,17 +284,11 @@ class BackwardTimer:
             self.in_backward = False
 
 
-def _grad_state(param: Any) -> tuple[Any, int] | None:
-    """`param`'s gradient as (a weak reference to the tensor, its version), or None."""
+def _grad_state(param: Any) -> tuple[int, int] | None:
+    """`param`'s gradient as (the tensor's id, its version), or None. (Equal ids of two tensors alive at
+    different times only hide a change where the version is the same too.)"""
     grad = param.grad
-    return None if grad is None else (weakref.ref(grad), grad._version)
-
-
-def _grad_changed(param: Any, before: tuple[Any, int] | None) -> bool:
-    grad = param.grad
-    if grad is None or before is None:
-        return (grad is None) != (before is None)
-    return before[0]() is not grad or before[1] != grad._version
+    return None if grad is None else (id(grad), grad._version)
 
 
 def _graph_task_function() -> Callable[[], int]:

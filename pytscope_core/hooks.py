@@ -55,14 +55,21 @@ LOADER_TAKEN = (
 )
 
 
-def end_windows_at_zero_grad(optimizer: Any, recorder: StepRecorder) -> Callable[[], None]:
-    """Wrap `optimizer.zero_grad` on the instance to tell the recorder that gradients were cleared
-    (`StepRecorder.gradients_cleared`: a step the optimizer skipped ends there); return the undo."""
+def end_windows_at_zero_grad(
+    optimizer: Any, hooks: TorchHooks, after: Callable[[], None]
+) -> Callable[[], None]:
+    """Wrap `optimizer.zero_grad` on the instance to tell the recorder that gradients were cleared outside the
+    optimizer's step (`StepRecorder.gradients_cleared`: a step the optimizer skipped ends there; L-BFGS's
+    closure clears them inside), and `after` once they are (`BackwardTimer.grads_cleared`); return the undo."""
     zero_grad = optimizer.zero_grad
 
     def cleared(*args: Any, **kwargs: Any) -> Any:
-        recorder.gradients_cleared()
-        return zero_grad(*args, **kwargs)
+        if not hooks.optimizing:
+            hooks.recorder.gradients_cleared()
+        try:
+            return zero_grad(*args, **kwargs)
+        finally:
+            after()
 
     cleared.__wrapped__ = zero_grad  # type: ignore[attr-defined]
     before = optimizer.__dict__.get("zero_grad")
@@ -114,6 +121,7 @@ class TorchHooks:
         self.first_forward: Callable[[], None] | None = None  # called once, inside the first training forward
         self._warn = warn  # says what limits the measurement, once, without disabling anything
         self._forward_checked = False  # at the first optimizer step: was the training forward seen?
+        self.optimizing = False  # inside optimizer.step() (whose closure may clear gradients, as L-BFGS's)
 
     @property
     def active(self) -> bool:
@@ -143,10 +151,9 @@ class TorchHooks:
         self.wrappers.wrap(model)
 
     def _check_forward(self) -> None:
-        """At the first optimizer step: a step without the watched model's training forward means the model was
-        compiled after `watch` (its wrapper steps aside in compiled code). Compiled in place, its compiled call
-        is wrapped now (no FLOPs are counted once anything is compiled); compiled into a new module, unseen, that
-        is said once. A first step the forward opened: the loop iterates another loader; forwards open steps."""
+        """At the first optimizer step: no training forward of the watched model means it was compiled after
+        `watch` (its wrapper steps aside in compiled code): compiled in place, its compiled call is wrapped now;
+        into a new module, unseen, that is said once. A first step the forward opened: another loader."""
         self._forward_checked = True
         rec = self.recorder
         if self.loader_watched and rec.opened_at != _DATA_BEGIN:  # (the forward opened the first step)
@@ -173,7 +180,7 @@ class TorchHooks:
         if pre_hook:
             self._handles.append(inner.register_step_pre_hook(outside_compiled(self._optimizer_pre)))
         self._handles.append(inner.register_step_post_hook(outside_compiled(self._optimizer_post)))
-        self._undo.append(end_windows_at_zero_grad(inner, self.recorder))
+        self._undo.append(end_windows_at_zero_grad(inner, self, self.backward.grads_cleared))
 
     def watch_loader(self, loader: Any) -> None:
         undo = watch_loader(loader, self)
@@ -201,8 +208,7 @@ class TorchHooks:
 
     # -- model ----------------------------------------------------------------------------------------
     def _timed_forward(self, module: Any, forward: Callable[..., Any]) -> Callable[..., Any]:
-        """`forward` with the marks around it; `module` is the one whose `training` flag (and DDP's flags)
-        count: for a compiled model, the module inside the wrapper."""
+        """`forward` with its marks; `module`'s `training` (and DDP's) flags count: a compiled one's inner module."""
         import torch
 
         is_grad_enabled = torch.is_grad_enabled
@@ -294,6 +300,7 @@ class TorchHooks:
         self.backward.settle()
 
     def _optimizer_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self.optimizing = True
         if self.backward.active:
             try:
                 self.optimizer_begin()
@@ -301,6 +308,7 @@ class TorchHooks:
                 self._on_error(exc)
 
     def _optimizer_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self.optimizing = False
         if self.backward.active:
             try:
                 self.recorder.optimizer_stepped()
@@ -359,8 +367,7 @@ class TorchHooks:
         if not isinstance(shape, tuple):  # not a tensor or an array there: search the batch
             t = batch_tensor(batch)
             shape = getattr(t, "shape", None)
-        size, pending = (shape[0] if shape else math.nan), self._batch_samples  # (a 0-d tensor: no size)
-        self._batch_samples = size + pending if pending == pending else size  # zipped loaders: both batches
+        self._batch_samples = shape[0] if shape else math.nan  # (a 0-d tensor's shape is empty)
         if self.recorder.wants_fingerprint:  # of a tensor or an array (not, say, a data frame's rows)
             self.recorder.set_fingerprint(fingerprint(t if hasattr(t, "dtype") else batch_tensor(batch)))
 

@@ -163,10 +163,9 @@ class StepRecorder:
         self._step_syncs += 1
 
     def gradients_cleared(self) -> None:
-        """`zero_grad()` after a backward and no optimizer step: one skipped (GradScaler's, on inf or NaN
-        gradients) is a step too, not merged into the next (never closing when every step is skipped)."""
-        if self.in_step and not self._stepped and _BACKWARD_END in self._marks:
-            self._stepped = True
+        """`zero_grad()` after a backward, the optimizer's step never called: one skipped (GradScaler's, on inf
+        or NaN gradients) is a step, not merged into the next (never closing when every step is skipped)."""
+        self._stepped |= self.in_step and _BACKWARD_END in self._marks
 
     def forward_untrained(self) -> None:
         """The open step's last forward had no backward (the loop skipped its batch): no micro-batch."""

@@ -936,7 +936,10 @@ def test_a_stop_the_training_caused_is_a_note_and_a_limit_is_said_by_rank_0_only
     assert not any("KeyboardInterrupt" in e for e in summary.scope_errors)
 
 
-def test_a_batch_skipped_after_its_forward_is_no_gradient_sync_and_no_micro_batch(tmp_path, one_rank_group):
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_a_batch_skipped_after_its_forward_is_no_gradient_sync_and_no_micro_batch(
+    tmp_path, one_rank_group, set_to_none
+):
     # Out-of-memory recovery: a rank whose forward raised agrees with the others to skip the batch; the
     # others have finished that forward. Counted as a sync on them only, it moved their gathers off the rank
     # that raised: every rank blocked in a different collective.
@@ -946,11 +949,11 @@ def test_a_batch_skipped_after_its_forward_is_no_gradient_sync_and_no_micro_batc
     for i in range(12):
         loss = model(torch.randn(4, 8)).sum()
         if i % 4 == 3:  # the batch is skipped on this rank, as on the one that raised
-            opt.zero_grad()
+            opt.zero_grad(set_to_none=set_to_none)  # (zeroed in place: a change of the gradients' version)
             continue
         loss.backward()
         opt.step()
-        opt.zero_grad()
+        opt.zero_grad(set_to_none=set_to_none)
     scope.finish()
     arrays = load_run(tmp_path).arrays
     assert arrays.grad_syncs.sum() == 9 and arrays.micro_batches.sum() == 9
@@ -1058,23 +1061,6 @@ def test_a_model_set_up_by_lightning_fabric_trains_and_is_timed_inside_its_wrapp
     assert arrays.n_steps == 6 and (arrays.phases[:, 0, PHASES.index("forward")] > 0).all()
 
 
-def test_two_loaders_zipped_count_both_batches_samples(tmp_path):
-    # Multi-task: `for a, b in zip(loader_a, loader_b)`, one forward on both. The last fetch's size alone
-    # was the step's samples.
-    model = torch.nn.Linear(8, 1)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    first = DataLoader(TensorDataset(torch.randn(64, 8)), batch_size=8)
-    second = DataLoader(TensorDataset(torch.randn(64, 8)), batch_size=4)
-    scope = Scope(tmp_path, console=False, hang_timeout=None).watch(model, opt, first)
-    scope.watch(loader=second)
-    for (a,), (b,) in zip(first, second, strict=False):
-        model(torch.cat([a, b])).sum().backward()
-        opt.step()
-        opt.zero_grad()
-    scope.finish()
-    assert load_run(tmp_path).arrays.samples[:, 0].tolist() == [12.0] * 8
-
-
 def test_a_logger_that_raises_on_the_live_metrics_turns_them_off_not_the_scope(tmp_path):
     def broken_logger(metrics, step):
         raise ConnectionError("tracking server unreachable")
@@ -1128,3 +1114,66 @@ def test_a_scope_the_other_ranks_never_start_says_so_not_internal_error(
         coordinator.Coordinator(StepRecorder(), 50, 10.0).start(tmp_path)
     message = disabled_message(raised.value)
     assert message.startswith("scope disabled") and "gather_timeout (10 s)" in message, message
+
+
+def test_zero_grad_inside_the_optimizers_own_step_does_not_end_the_step(tmp_path):
+    # L-BFGS calls its closure (zero_grad, forward, backward) several times inside one step(): a zero_grad
+    # there is no skipped step, and each optimizer step is one step.
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    opt = torch.optim.LBFGS(model.parameters(), max_iter=5, history_size=5)
+    x, y = torch.randn(64, 8), torch.randn(64, 1)
+
+    def closure():
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        return loss
+
+    scope = Scope(tmp_path, console=False, hang_timeout=None, warmup=0).watch(model, opt)
+    for _ in range(4):
+        opt.step(closure)
+    scope.finish()
+    arrays = load_run(tmp_path).arrays
+    assert arrays.n_steps == 4 and (arrays.micro_batches[:, 0] > 1).all(), arrays.micro_batches[:, 0]
+
+
+def test_a_backward_through_a_branch_no_hook_saw_still_counts_its_sync(tmp_path, one_rank_group):
+    # Two heads, the first parameter in head A: steps through head B leave its gradient as it was (DDP
+    # writes no gradient that no rank used), but their backward ran and synced.
+    class TwoHeads(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.trunk, self.b = (
+                torch.nn.Linear(16, 1),
+                torch.nn.Linear(8, 16),
+                torch.nn.Linear(16, 1),
+            )
+
+        def forward(self, x, head):
+            return (self.a if head == "a" else self.b)(self.trunk(x))
+
+    model = torch.nn.parallel.DistributedDataParallel(TwoHeads(), find_unused_parameters=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scope = Scope(tmp_path, console=False, hang_timeout=None, warmup=0).watch(model, opt)
+    for i in range(18):
+        model(torch.randn(4, 8), "a" if i < 12 else "b").sum().backward()
+        opt.step()
+        opt.zero_grad()
+    scope.finish()
+    arrays = load_run(tmp_path).arrays
+    assert arrays.grad_syncs.sum() == 18 and arrays.micro_batches.sum() == 18
+
+
+def test_a_batch_fetched_and_skipped_adds_no_samples_to_the_next_step(tmp_path):
+    model = torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    loader = DataLoader(TensorDataset(torch.randn(64, 8)), batch_size=8)
+    scope = Scope(tmp_path, console=False, hang_timeout=None).watch(model, opt, loader)
+    for i, (x,) in enumerate(loader):
+        if i == 3:
+            continue  # (a batch the loop decides not to train on)
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    scope.finish()
+    assert load_run(tmp_path).arrays.samples[:, 0].tolist() == [8.0] * 7
