@@ -76,7 +76,7 @@ class BackwardTimer:
         self._output_ns = 0  # a trial backward: when the gradient reached the output (0: not yet)
         self._gaps: list[int] = []  # the trial's output-to-first-parameter gaps, in ns
         self._output_began = 0  # the trial's backwards that the output's pre-hook began
-        self._grad_before: Any = None  # a synced forward's first parameter's gradient (`_grad_state`)
+        self._grad_before: Any = None  # a synced forward's gradients (`_grad_states`)
         self._graph_task: Callable[[], int] = lambda: 0  # the autograd graph task running (-1: none)
 
     def watch(self, model: Any, grad_hooks: bool = True) -> None:
@@ -121,7 +121,7 @@ class BackwardTimer:
         self._sync_pending = grad_sync
         self._awaiting = True
         if grad_sync and self._params:
-            self._grad_before = self._grad_states()
+            self._grad_before = _grad_states(self._params)
         t = (
             first_grad_tensor(output)
             if output is not None and (self._output_hook or not self._params)
@@ -143,7 +143,7 @@ class BackwardTimer:
             self._sync_pending = False
             # Unless no backward ran at all (the loop skipped the batch after an error on some rank): a
             # synced backward wrote the gradients on every rank, whichever parameters it reached.
-            if not self._params or self._grad_states() != self._grad_before:
+            if not self._params or _grad_states(self._params) != self._grad_before:
                 self.recorder.count_grad_sync()
             else:
                 self.recorder.forward_untrained()
@@ -162,12 +162,7 @@ class BackwardTimer:
         """`zero_grad()` ran: what a backward since the forward would have written is gone (zeroed in place, a
         change of version), so the gradients are compared with now."""
         if self._sync_pending and self._params:
-            self._grad_before = self._grad_states()
-
-    def _grad_states(self) -> tuple[Any, ...]:
-        """The first and last watched parameters' gradients (`_grad_state`): a synced backward writes them on
-        every rank, unless no rank used one (a branch of the model: so two, at its two ends)."""
-        return (_grad_state(self._params[0]), _grad_state(self._params[-1]))
+            self._grad_before = _grad_states(self._params)
 
     def running(self) -> bool:
         """Whether the backward that began is still running: a forward now is its recomputation. One that
@@ -284,11 +279,15 @@ class BackwardTimer:
             self.in_backward = False
 
 
-def _grad_state(param: Any) -> tuple[int, int] | None:
-    """`param`'s gradient as (the tensor's id, its version), or None. (Equal ids of two tensors alive at
-    different times only hide a change where the version is the same too.)"""
-    grad = param.grad
-    return None if grad is None else (id(grad), grad._version)
+def _grad_states(params: list[Any]) -> tuple[Any, ...]:
+    """The first and last parameters' gradients, each as (the tensor's id, its version) or None: a synced
+    backward writes them on every rank, unless no rank used one (a branch of the model: so two, at its two
+    ends). One call, on the hot path (every synced forward). (Equal ids of two tensors alive at different
+    times only hide a change where the version is the same too.)"""
+    grad = params[0].grad
+    first = None if grad is None else (id(grad), grad._version)
+    grad = params[-1].grad
+    return first, None if grad is None else (id(grad), grad._version)
 
 
 def _graph_task_function() -> Callable[[], int]:

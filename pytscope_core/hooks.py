@@ -55,12 +55,11 @@ LOADER_TAKEN = (
 )
 
 
-def end_windows_at_zero_grad(
-    optimizer: Any, hooks: TorchHooks, after: Callable[[], None]
-) -> Callable[[], None]:
+def end_windows_at_zero_grad(optimizer: Any, hooks: TorchHooks) -> Callable[[], None]:
     """Wrap `optimizer.zero_grad` on the instance to tell the recorder that gradients were cleared outside the
     optimizer's step (`StepRecorder.gradients_cleared`: a step the optimizer skipped ends there; L-BFGS's
-    closure clears them inside), and `after` once they are (`BackwardTimer.grads_cleared`); return the undo."""
+    closure clears them inside), and the backward timer once they are (`BackwardTimer.grads_cleared`);
+    return the undo."""
     zero_grad = optimizer.zero_grad
 
     def cleared(*args: Any, **kwargs: Any) -> Any:
@@ -69,7 +68,7 @@ def end_windows_at_zero_grad(
         try:
             return zero_grad(*args, **kwargs)
         finally:
-            after()
+            hooks.backward.grads_cleared()
 
     cleared.__wrapped__ = zero_grad  # type: ignore[attr-defined]
     before = optimizer.__dict__.get("zero_grad")
@@ -180,7 +179,7 @@ class TorchHooks:
         if pre_hook:
             self._handles.append(inner.register_step_pre_hook(outside_compiled(self._optimizer_pre)))
         self._handles.append(inner.register_step_post_hook(outside_compiled(self._optimizer_post)))
-        self._undo.append(end_windows_at_zero_grad(inner, self, self.backward.grads_cleared))
+        self._undo.append(end_windows_at_zero_grad(inner, self))
 
     def watch_loader(self, loader: Any) -> None:
         undo = watch_loader(loader, self)

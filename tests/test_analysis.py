@@ -283,17 +283,23 @@ def test_a_rank_slow_every_tenth_step_is_named_by_the_jitter_finding():
     assert jitter.ranks == () and "now and then" not in jitter.title
 
 
+def _slow_now_and_then(slow: int, lag: float, lag_phase: int, spike: float) -> RunArrays:
+    """2 ranks x 300 steps of 5 ms: rank `slow` does `lag` ms more in phase `lag_phase` every step and
+    `spike` ms more in `other` every 10th; the other rank waits for it in `comm`."""
+    ph = np.zeros((300, 2, 6))
+    ph[:, :, 1], ph[:, :, 2], ph[:, :, 3] = 2.0, 2.0, 1.0
+    ph[:, slow, lag_phase] += lag
+    ph[:, 1 - slow, 3] += lag
+    ph[9::10, slow, 5] += spike
+    ph[9::10, 1 - slow, 3] += spike
+    return RunArrays.from_arrays(ph)
+
+
 def test_a_rank_slow_now_and_then_and_a_little_slower_always_is_billed_for_each_where_it_belongs():
     # Rank 0 does 150 ms of its own work every 10th step (a rank-0-only checkpoint or sample) and 5% more
     # than rank 1 in every step (its logging): the stalls are TIMING.STALL's (and JITTER's). Billed to a
     # persistent straggler, they made a HIGH DIST.STRAGGLER "in `forward` (+0.2 ms)", costing 74% of wall.
-    ph = np.zeros((300, 2, 6))
-    ph[:, :, 1], ph[:, :, 2], ph[:, :, 3] = 2.0, 2.0, 1.0
-    ph[:, 0, 1] += 0.2
-    ph[:, 1, 3] += 0.2
-    ph[9::10, 0, 5] += 150.0
-    ph[9::10, 1, 3] += 150.0
-    a = analyze(RunArrays.from_arrays(ph), RunContext(world_size=2))
+    a = analyze(_slow_now_and_then(slow=0, lag=0.2, lag_phase=1, spike=150.0), RunContext(world_size=2))
     found = {f.code: f for f in run_rules(a)}
     assert "DIST.STRAGGLER" not in found and a.distributed.intermittent.rank == 0
     assert (
@@ -301,13 +307,8 @@ def test_a_rank_slow_now_and_then_and_a_little_slower_always_is_billed_for_each_
         and "rank 0 spent 0.15 s in `other`" in found["TIMING.STALL"].detail
     )
     # A rank 30% slower in every step, and now and then much slower: still a straggler, for its usual lag.
-    ph = np.zeros((300, 2, 6))
-    ph[:, :, 1], ph[:, :, 2], ph[:, :, 3] = 2.0, 2.0, 1.0
-    ph[:, 1, 1] += 1.5
-    ph[:, 0, 3] += 1.5
-    ph[9::10, 1, 5] += 100.0
-    ph[9::10, 0, 3] += 100.0
-    dist = analyze(RunArrays.from_arrays(ph), RunContext(world_size=2)).distributed
+    dist = analyze(_slow_now_and_then(slow=1, lag=1.5, lag_phase=1, spike=100.0), RunContext(world_size=2))
+    dist = dist.distributed
     assert dist.stragglers == (1,) and dist.lost_ms_per_step == pytest.approx(1.5)
     # 5% slower in every step of 100 ms among 8 noisy ranks, and 100 ms more every 5th: its usual lag is
     # billed in every step (its spikes included), so it stays named.
