@@ -31,6 +31,20 @@ class CountsCheck:
     steps: tuple[int, ...]  # per rank: optimizer steps done
     grad_syncs: tuple[int, ...]  # per rank: gradient synchronisations done
     micro_batches: tuple[int, ...]  # per rank: forward passes done
+    joined: tuple[int, ...] = ()  # ranks out of batches inside torch's Join at this gather
+
+    COUNTERS = ("steps", "grad_syncs", "micro_batches")
+
+    def compared(self, counter: str) -> tuple[float, ...]:
+        """Each rank's `counter` as the ranks' counts are compared: NaN for a rank inside a join, whose steps
+        and micro-batches stop there while the others train (its gradient syncs go on: it shadows them)."""
+        skip = () if counter == "grad_syncs" else self.joined
+        return tuple(math.nan if r in skip else float(v) for r, v in enumerate(getattr(self, counter)))
+
+    @property
+    def differs(self) -> bool:
+        """Whether the ranks compared disagree on some counter."""
+        return any(len({v for v in self.compared(c) if v == v}) > 1 for c in self.COUNTERS)
 
 
 @dataclass(frozen=True)
@@ -77,6 +91,8 @@ class RunContext:
     comm_measured: bool = True  # False: waits hide in compute, so no local work or straggler analysis
     segments: tuple[Segment, ...] = ()
     counts_checks: tuple[CountsCheck, ...] = ()
+    joins: tuple[tuple[int, int], ...] = ()  # (rank, its last step) for each rank that ran out of batches
+    # first and waited inside torch's Join while the others trained on (joins.py)
     replica_checks: tuple[ReplicaCheck, ...] = ()
     hang_reports: tuple[dict, ...] = ()  # DIST.HANG reports written by the watchdog (plain JSON)
     alive: tuple[

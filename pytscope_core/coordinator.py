@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from .gather import Exchange, syncs_per_step
+from .gather import Exchange, header_row, syncs_per_step
 from .placement import Placement, local_place
 from .recorder import StepRecorder
 from .rundir import next_segment
@@ -136,7 +136,7 @@ class Coordinator:
         self.gathers += 1
         ex: Exchange | None
         if self.gatherer is None:
-            headers = np.array([[*counters[:3], rows.shape[0], counters[3]]])
+            headers = header_row(counters, rows.shape[0])[None]
             ex, told = Exchange(headers, rows), syncs_per_step(headers)
         else:
             self.check_peers_enabled()

@@ -63,6 +63,14 @@ class Finding:
         )
 
 
+def with_predicted(measured: list[Finding], predicted: Iterable[Finding]) -> list[Finding]:
+    """The rules' findings and those an integration made before the run (`predicted`), less any predicted one
+    a measured finding of the same code and ranks replaces (DATA.UNEVEN_SHARDS: predicted at start from the
+    loaders' lengths, measured once a rank ran out of batches inside a join)."""
+    measured_keys = {f.key for f in measured}
+    return measured + [f for f in predicted if f.key not in measured_keys]
+
+
 def format_ranks(ranks: Iterable[int], limit: int = 8) -> str:
     """ "0, 1, 2" for a few ranks, "0, 1, ... and 56 more" for many: findings stay one line at any scale."""
     rs = list(ranks)

@@ -30,7 +30,9 @@ import numpy as np
 
 from .records import NCOLS
 
-HEADER = ("steps", "grad_syncs", "micro_batches", "rows", "checksum")
+HEADER = ("steps", "grad_syncs", "micro_batches", "rows", "checksum", "joined_at")
+"""A rank's header at a gather: its cumulative counters, how many rows follow, its replica checksum and, while
+it is out of batches inside torch's Join, its last step (NaN otherwise: see joins.py)."""
 HOST_BYTES = 256  # a host name in the start-time placement gather (longer names are cut)
 LAZY_ENV = "TORCH_GLOO_LAZY_INIT"
 
@@ -102,7 +104,7 @@ class Gatherer:
 
         cap, n = self.capacity, rows.shape[0]
         block = torch.full((1 + cap, NCOLS), float("nan"), dtype=torch.float64)
-        block[0, : len(HEADER)] = torch.tensor([*counters[:3], float(n), counters[3]], dtype=torch.float64)
+        block[0, : len(HEADER)] = torch.from_numpy(header_row(counters, n))
         if n:
             block[1 : 1 + min(n, cap)] = torch.from_numpy(rows[:cap])
         blocks = self._gather(block)
@@ -155,6 +157,12 @@ class Gatherer:
             with contextlib.suppress(Exception):  # best effort at the end of a run
                 self._dist.destroy_process_group(self.group)
         self.group = None
+
+
+def header_row(counters: tuple[float, ...], rows: int) -> np.ndarray:
+    """One rank's `HEADER` from its counters (steps, syncs, micro-batches, checksum, joined_at) and rows."""
+    steps, syncs, micro, checksum, joined_at = counters
+    return np.array([steps, syncs, micro, float(rows), checksum, joined_at], dtype=np.float64)
 
 
 def syncs_per_step(headers: np.ndarray) -> int:

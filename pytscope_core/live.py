@@ -28,7 +28,8 @@ import numpy as np
 
 from .arrays import RunArrays
 from .context import CountsCheck, ReplicaCheck, RunContext, Segment
-from .findings import Finding, Severity
+from .findings import Finding, Severity, with_predicted
+from .gather import HEADER
 from .output import say
 from .records import COL, NCOLS
 from .reporter import RunReporter
@@ -71,6 +72,7 @@ class LiveDiagnosis:
         self.findings: list[Finding] = []  # the latest diagnosis, with the integration's findings
         self.extra_findings: list[Finding] = []
         self.counts_checks: list[CountsCheck] = []
+        self.joins: list[tuple[int, int]] = []  # (rank, its last step): ranks out of batches inside a Join
         self.replica_checks: list[ReplicaCheck] = []
         self.hang_reports: list[dict[str, Any]] = []
         self._clock = clock
@@ -191,6 +193,7 @@ class LiveDiagnosis:
                 warmup=self.warmup,
                 segments=(self.segment,),
                 counts_checks=tuple(self.counts_checks),
+                joins=tuple(self.joins),
                 replica_checks=tuple(self.replica_checks),
                 hang_reports=hangs,
                 scope_errors=tuple(self.errors),
@@ -217,7 +220,7 @@ class LiveDiagnosis:
         with self._lock:
             self._full_at = step + missing if missing > 0 and self.diagnoses == 0 else None  # (once)
             self.diagnoses += 1
-            self.findings = findings + self.extra_findings
+            self.findings = with_predicted(findings, self.extra_findings)
             # A HIGH or MED finding the diagnosis no longer makes is said to be gone (a stale alarm must not
             # stand on the console) and forgotten: said again if it comes back. (LOW ones stay remembered: a
             # hint near its threshold would be said at every other diagnosis.)
@@ -240,18 +243,35 @@ class LiveDiagnosis:
 
     # -- helpers ------------------------------------------------------------------------------------------
     def _check_counts(self, headers: np.ndarray, gather: int) -> None:
+        joined_at = headers[:, HEADER.index("joined_at")]
+        joined = tuple(np.flatnonzero(np.isfinite(joined_at)).tolist())
+        for rank in joined:
+            self.joined(rank, int(joined_at[rank]), gather)
         steps, syncs, micro = (tuple(int(v) for v in headers[:, i]) for i in range(3))
-        if len(set(steps)) > 1 or len(set(syncs)) > 1 or len(set(micro)) > 1:
-            check = CountsCheck(gather, steps, syncs, micro)
+        check = CountsCheck(gather, steps, syncs, micro, joined)
+        if check.differs:
             self.counts_checks.append(check)
             self.reporter.writer.event(
-                "counts_check", gather=gather, steps=steps, grad_syncs=syncs, micro_batches=micro
+                "counts_check",
+                gather=gather,
+                steps=steps,
+                grad_syncs=syncs,
+                micro_batches=micro,
+                joined=joined,
             )
+
+    def joined(self, rank: int, step: int, gather: int) -> None:
+        """A rank ran out of batches after its step `step` and waited inside torch's Join: said at a gather
+        during the join, or, where none came, as the join ended (joins.py); kept once."""
+        with self._lock:
+            if (rank, step) not in self.joins:
+                self.joins.append((rank, step))
+                self.reporter.writer.event("joined", rank=rank, step=step, gather=gather)
 
     def _check_replicas(self, headers: np.ndarray, step: int) -> None:
         from .analysis.rules import replicas_differ
 
-        sums = headers[:, 4]
+        sums = headers[:, HEADER.index("checksum")]
         if len(sums) > 1 and np.isfinite(sums).all() and replicas_differ(sums):
             check = ReplicaCheck(step, tuple(float(s) for s in sums))
             self.replica_checks.append(check)

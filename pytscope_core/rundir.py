@@ -574,7 +574,7 @@ def _context(
 ) -> RunContext:
     """The run's context from its settings and events; an event that cannot be read is left out, and said
     in `problems` by kind (a damaged hang report must not vanish without a word)."""
-    segments, counts, replicas, hangs, errors, notes, alive = [], [], [], [], [], [], []
+    segments, counts, replicas, hangs, errors, notes, alive, joins = [], [], [], [], [], [], [], []
     unreadable: dict[str, int] = {}
     seen_notes: set[str] = set()
     world = int(meta.get("world_size") or arrays.world_size or 1)
@@ -597,10 +597,13 @@ def _context(
                     tuple(int(v) for v in e["steps"]),
                     tuple(int(v) for v in e["grad_syncs"]),
                     tuple(int(v) for v in e["micro_batches"]),
+                    tuple(int(r) for r in e.get("joined", ())),
                 )
                 if not len(check.steps) == len(check.grad_syncs) == len(check.micro_batches) <= largest:
                     raise ValueError("one count per rank")
                 counts.append(check)
+            elif kind == "joined":
+                joins.append((int(e["rank"]), int(e["step"])))
             elif kind == "replica_check":
                 sums = tuple(float(c) if c is not None else math.nan for c in e["checksums"])
                 if len(sums) > largest:
@@ -627,6 +630,7 @@ def _context(
         warmup=warmup,
         segments=tuple(segments),
         counts_checks=tuple(counts),
+        joins=tuple(joins),
         replica_checks=tuple(replicas),
         hang_reports=tuple(hangs),
         alive=tuple(alive),

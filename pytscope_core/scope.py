@@ -33,6 +33,7 @@ from .coordinator import Coordinator, RanksNotMet
 from .findings import Finding
 from .flops import StepFlops
 from .hooks import TorchHooks
+from .joins import JoinFollower
 from .options import ScopeOptions
 from .output import say
 from .parallelism import UNWATCHED, current_rank, current_world_size, detect, inside_fabric
@@ -79,6 +80,7 @@ class Scope:
         self.resumed_from_step = 0
         self.summary: Any = None  # end-of-run Summary (rank 0)
         self.replicated_model: Any = None  # the data-parallel model whose replicas are compared at gathers
+        self.joins = JoinFollower(self)  # a rank out of batches inside torch's Join still meets the gathers
         self.parallelism = UNWATCHED  # what the watched model is wrapped in (note_parallelism)
         self._clock = clock
         self._started = False
@@ -100,7 +102,7 @@ class Scope:
     @property
     def findings(self) -> list[Finding]:
         """The latest live diagnosis (rank 0; empty elsewhere)."""
-        live = self.session.live if self.session is not None else None
+        live = getattr(self.session, "live", None)  # (no session yet: None)
         return live.findings if live is not None else []
 
     @property
@@ -136,6 +138,7 @@ class Scope:
                 self.hooks.watch_model(model)
                 if self.hooks.is_ddp:
                     self.replicated_model = model
+                    self.joins.install()  # (now: a `with` statement reads `__exit__` as it enters)
             for opt in optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]:
                 if opt is not None and all(o is not opt for o in self._watched):  # (as a model)
                     self._watched.append(opt)
@@ -275,18 +278,15 @@ class Scope:
             self.fail(exc)
 
     def finish(self, *, forgotten: bool = False) -> Any:
-        """Final gather and, on rank 0, the end-of-run summary (printed and written to the run). Idempotent.
-
-        Call it on every rank, before the process group is destroyed. (`forgotten`: called at interpreter
-        exit because the training code did not.)
-        """
+        """Final gather and, on rank 0, the end-of-run summary (printed and written to the run). Idempotent. Call
+        it on every rank, before the process group is destroyed. (`forgotten`: called at interpreter exit because
+        the training code did not.)"""
         self.hooks.end_flop_count()  # (from training code: never inside compiled code)
         return self._end(lambda session: session.finish(forgotten))
 
     def stop(self, reason: str) -> Any:
         """End without meeting the other ranks (after an exception, or when they may be gone): this rank's
-        ungathered steps go to its own file, rank 0 reports what the run holds, and every hook, the watchdog
-        and the scope's group are released. Idempotent, like `finish()`."""
+        ungathered steps go to its own file, rank 0 reports what the run holds; all is released. Idempotent."""
         return self._end(lambda session: session.stop(reason))
 
     def _end(self, end: Callable[[RunSession], Any]) -> Any:
@@ -307,6 +307,7 @@ class Scope:
             if self.session is not None:
                 self.session.release()
             self.hooks.remove()
+            self.joins.remove()
             self._watched.clear()  # (the user's models are not kept alive by an ended scope)
             self.recorder.stop()
             self.coordinator.destroy()

@@ -184,6 +184,14 @@ class RunSession:
         scope = self.scope
         return scope.recorder.steps_done - scope.resumed_from_step - scope.options.warmup
 
+    def waiting_in(self, status: str) -> str:
+        """Say `status` ("gather", `watchdog.JOINED` ...) with this rank's heartbeats instead of the phase of its
+        last mark, until the next call; return the one it replaces."""
+        if self._watchdog is None:
+            return ""
+        previous, self._watchdog.status = self._watchdog.status, status
+        return previous
+
     def _report_hang(self, finding: Finding) -> None:
         """Called from rank 0's watchdog thread while the main thread is blocked: the gathers already handed to
         the ingest thread are written before the process may end."""
@@ -215,9 +223,12 @@ class RunSession:
         scope = self.scope
         rec = scope.recorder
         rows = rec.drain(self.rank, scope.segment, self._epoch_offset)
-        counters = (float(rec.steps_done), float(rec.grad_syncs), float(rec.micro_batches), self._checksum())
+        joined_at = math.nan if scope.joins.joined_at is None else float(scope.joins.joined_at)
+        checksum = replica_checksum(scope.replicated_model) if math.isnan(joined_at) else math.nan  # (behind)
+        counts = (float(rec.steps_done), float(rec.grad_syncs), float(rec.micro_batches))
+        counters = (*counts, checksum, joined_at)
+        status = self.waiting_in("gather")
         if self._watchdog is not None:
-            self._watchdog.status = "gather"
             self._watchdog.step_walls(rows[max(0, rows.shape[0] - self._past_warmup()) :, COL["wall_ms"]])
         self.own_rows.in_flight = rows
         threaded = self.ingest is not None and self.ingest.threaded
@@ -228,7 +239,7 @@ class RunSession:
             self.own_rows.in_flight = None
         finally:
             if self._watchdog is not None:
-                self._watchdog.status = "finished" if final else ""
+                self._watchdog.status = "finished" if final else status
         self.gather_ms.append((time.perf_counter() - t0) * 1e3)
         gatherer = scope.coordinator.gatherer
         if gatherer is not None:
@@ -244,17 +255,6 @@ class RunSession:
             self.ingest.submit(Gathered(ex.headers, ex.rows, gathers, step, final, scalars, learnt))
             if not threaded:  # diagnosed in place (one process): this gather's, on the training thread
                 self.live.publish_metrics(step)
-
-    def _checksum(self) -> float:
-        """A cheap fingerprint of the replicated parameters; DDP replicas must agree bit for bit."""
-        model = self.scope.replicated_model
-        if model is None:
-            return math.nan
-        import torch
-
-        with torch.no_grad():
-            sums = [p.detach().sum(dtype=torch.float64) for p in model.parameters()]
-            return float(torch.stack(sums).sum().item()) if sums else math.nan
 
     # -- the end --------------------------------------------------------------------------------------
     def finish(self, forgotten: bool = False) -> Any:
@@ -342,6 +342,18 @@ class RunSession:
             self.ingest.close(timeout_s=HANG_DRAIN_S)
         if self.reporter is not None:
             self.reporter.close()
+
+
+def replica_checksum(model: Any) -> float:
+    """A cheap fingerprint of the replicated parameters (NaN without a model); DDP replicas must agree bit
+    for bit."""
+    if model is None:
+        return math.nan
+    import torch
+
+    with torch.no_grad():
+        sums = [p.detach().sum(dtype=torch.float64) for p in model.parameters()]
+        return float(torch.stack(sums).sum().item()) if sums else math.nan
 
 
 def _quantiles(values: list[float]) -> dict[str, float]:

@@ -22,7 +22,7 @@ from .analysis.run import RankEnd, RunAnalysis, analyze
 from .analysis.timing import StepTiming, few_steps_note
 from .arrays import RunArrays
 from .context import RunContext
-from .findings import Finding
+from .findings import Finding, with_predicted
 from .parallelism import comm_note
 
 
@@ -214,7 +214,7 @@ def summarize(
 ) -> Summary:
     """Analyse the run once, diagnose it, and add findings made elsewhere (e.g. DATA.UNEVEN_SHARDS)."""
     analysis = analyze(arrays, ctx)
-    return summary_of(analysis, run_rules(analysis) + list(extra_findings))
+    return summary_of(analysis, with_predicted(run_rules(analysis), extra_findings))
 
 
 def summary_of(analysis: RunAnalysis, findings: list[Finding]) -> Summary:

@@ -58,11 +58,13 @@ DUMP_WAIT_S = 5.0  # how long the aborting ranks wait for the others' stack dump
 END_WAIT_S = DUMP_WAIT_S + 5.0  # ...and the other ranks for rank 0's word that it ends
 
 LOOP_COLLECTIVE = "a collective of the loop's"
+JOINED = "join(), out of batches"  # shadowing the others' collectives inside torch's Join (joins.py)
 WAITING_PHASES = (
     "comm",
     "gather",
     "collective",
     LOOP_COLLECTIVE,
+    JOINED,
 )  # blocked in a collective, waiting for peers
 # The warm-up rule's: pytscope's own gather has its own timeout.
 TRAINING_COLLECTIVES = ("comm", "collective", LOOP_COLLECTIVE)

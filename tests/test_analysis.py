@@ -18,6 +18,7 @@ from pytscope_core.context import CountsCheck, ReplicaCheck, RunContext, Segment
 from pytscope_core.findings import Severity
 from pytscope_core.records import COL, NCOLS
 from pytscope_core.render import render_convergence, render_distributed, render_summary
+from pytscope_core.shards import uneven_shards_finding
 from pytscope_core.summary import summarize, summary_of
 
 TRANSFER_MS = 0.5
@@ -688,6 +689,41 @@ def test_with_two_ranks_a_desync_blames_nobody_the_counts_cannot_single_out():
     assert "an optimizer step that did not happen there" in per_step.detail
     (end,) = analyze(arrays, ctx).rank_ends
     assert end.rank == 1 and "fewer optimizer steps" in end.reason
+
+
+def test_a_rank_that_waited_inside_join_is_no_desync_and_its_wait_is_measured():
+    # Rank 1 ran out of batches after step 30 of each 40-step epoch and waited inside torch's Join: its steps
+    # stop at gathers during the join (left out of the comparison, its syncs still counted) and its records
+    # miss steps 31-40 and 71-80 (as numbered after each join); none of that is a desync. The start-time
+    # prediction for rank 1 gives way to the measured finding, whose severity follows the share of the run.
+    base = make_run(80, 2)
+    phases = np.asarray(base.phases).copy()
+    gaps = [*range(30, 40), *range(70, 80)]
+    phases[gaps, 1] = np.nan
+    syncs = np.ones((80, 2))
+    syncs[gaps, 1] = np.nan
+    arrays = RunArrays.from_arrays(phases, loss=np.asarray(base.loss[:, 0]), grad_syncs=syncs)
+    ctx = RunContext(
+        world_size=2,
+        counts_checks=(CountsCheck(7, (35, 30), (35, 35), (35, 30), joined=(1,)),),
+        joins=((1, 30), (1, 70)),
+    )
+    predicted = uneven_shards_finding([40, 30])
+    summary = summarize(arrays, ctx, extra_findings=(predicted,))
+    assert "DIST.DESYNC" not in {f.code for f in summary.findings}
+    (uneven,) = [f for f in summary.findings if f.code == "DATA.UNEVEN_SHARDS"]
+    assert uneven.title == "Rank 1 ran out of batches first and waited inside join()" and uneven.steps == (
+        30,
+    )
+    assert uneven.evidence["steps_missed"] == 20 and uneven.severity == Severity.MED  # a quarter of the run
+    assert "in 2 joins" in uneven.detail and 0.2 < uneven.evidence["share"] < 0.3
+    one_step = RunContext(world_size=2, joins=((1, 79),))
+    (short,) = [f for f in diagnose(arrays, one_step, strict=True) if f.code == "DATA.UNEVEN_SHARDS"]
+    assert short.severity == Severity.LOW and short.evidence["steps_missed"] == 1
+    # Without the joins, the same gaps are a desync, and so are the same counts.
+    found = diagnose(arrays, RunContext(world_size=2), strict=True)
+    assert [f.steps for f in found if f.code == "DIST.DESYNC"] == [(31,)]
+    assert CountsCheck(7, (35, 30), (35, 35), (35, 30)).differs and not ctx.counts_checks[0].differs
 
 
 def test_an_extra_optimizer_step_on_one_rank_is_a_desync_at_its_step():

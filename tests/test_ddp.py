@@ -1,5 +1,6 @@
 """Real 2-rank gloo DDP jobs through the torch-level Scope; assertions read the run directory afterwards."""
 
+import json
 import os
 import subprocess
 import sys
@@ -7,6 +8,7 @@ import time
 from pathlib import Path
 
 import ddp_worker
+import join_worker
 import numpy as np
 import pytest
 import torch.multiprocessing as mp
@@ -300,3 +302,41 @@ def test_an_exception_on_one_rank_ends_the_job_at_once_and_the_report_names_it(t
     (failed,) = [f for f in s["findings"] if f["code"] == "RUN.FAILED"]
     assert failed["severity"] == "HIGH" and failed["ranks"] == [1] and failed["steps"] == [29], failed
     assert failed["title"] == "rank 1 failed after step 29: RuntimeError: injected failure [rank 1, step 30]"
+
+
+JOIN_RUN = dict(
+    interval=5, gather_timeout=20.0, epochs=1, loader=True
+)  # (a stall would take 20 s, then fail)
+
+
+def test_a_rank_out_of_batches_inside_join_still_meets_the_gathers_and_the_join_is_reported(tmp_path):
+    # Rank 1 runs out after 24 batches and waits inside DDP's join() while rank 0 trains 16 more: before,
+    # rank 0 waited at its next gather for a rank that never came, for gather_timeout, then disabled its scope.
+    join_worker.run(dict(JOIN_RUN, run_dir=str(tmp_path), batches=[40, 24]))
+    said = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [s["errors"] for s in said] == [[], []]
+    assert [s["steps_done"] for s in said] == [40, 40]  # the job's count, on every rank, after the join
+    s = report(tmp_path)
+    assert s["run"]["steps"] == 40 and not {"DIST.DESYNC", "DIST.REPLICA_DRIFT"} & codes(
+        s, ("HIGH", "MED", "LOW")
+    )
+    (uneven,) = [f for f in s["findings"] if f["code"] == "DATA.UNEVEN_SHARDS"]  # measured, not predicted
+    assert uneven["ranks"] == [1] and uneven["steps"] == [24] and uneven["evidence"]["steps_missed"] == 16
+    assert "join()" in {e["rank"]: e for e in s["run"]["rank_ends"]}[1]["reason"]
+
+
+def test_ranks_joining_every_epoch_number_their_steps_alike_after_each_join(tmp_path):
+    # No loader watched: each rank's last step is still open as it joins, and rank 1's last step of every
+    # epoch (10, then 24 as numbered after the first join, ...) is a gather point: it must close and meet
+    # that gather before the join's first collective, which waits for rank 0's next forward.
+    join_worker.run(dict(JOIN_RUN, run_dir=str(tmp_path), batches=[14, 10], epochs=3, loader=False))
+    said = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [s["errors"] for s in said] == [[], []] and [s["steps_done"] for s in said] == [42, 42]
+    run = load_run(tmp_path)
+    present = np.isfinite(run.arrays.wall_ms)
+    assert run.arrays.steps[present[:, 0]].tolist() == list(range(1, 43))
+    assert run.arrays.steps[present[:, 1]].tolist() == [*range(1, 11), *range(15, 25), *range(29, 39)]
+    s = report(tmp_path)
+    assert not {"DIST.DESYNC", "DIST.REPLICA_DRIFT"} & codes(s, ("HIGH", "MED", "LOW"))
+    (uneven,) = [f for f in s["findings"] if f["code"] == "DATA.UNEVEN_SHARDS"]
+    assert uneven["ranks"] == [1] and uneven["evidence"]["steps_missed"] == 12

@@ -43,6 +43,9 @@ FOREIGN_PRIVATE = {
     # `_broadcast_sigterm_tensor` (a collective of every batch, timed as one), Accelerate's `_models` (the
     # models prepare returned) and `_custom_objects` (what save_state stores)
     "plugin._after_closure",
+    # torch's Join keeps its joinables' hooks there, with no public way to add one to a Join the user made:
+    # the scope's join hook runs after DDP's for the duration of one join (joins.py)
+    "join._join_hooks",
 }
 
 

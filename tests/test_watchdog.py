@@ -123,6 +123,13 @@ def test_ranks_left_waiting_in_a_collective_of_the_loops_own_name_the_rank_they_
     assert warm_up is not None and warm_up.severity.name == "HIGH" and warm_up.ranks == (0,)
 
 
+def test_a_rank_out_of_batches_inside_join_waits_for_the_others_and_is_not_the_one_named():
+    # Rank 1 shadows the others' collectives inside torch's Join; rank 0, still training, is stuck in its
+    # forward: rank 0 never reached the collective rank 1 waits in.
+    f = classify_hang({0: _beat("forward", step=30), 1: _beat(watchdog.JOINED, step=24)}, 2, 300.0)
+    assert f is not None and f.ranks == (0,), f
+
+
 def test_after_a_collective_of_the_loops_a_rank_is_placed_where_it_was_before_it():
     from pytscope_core.recorder import place_mark
 

@@ -147,13 +147,14 @@ def distributed_timing(
     comm_measured: bool = True,
     parallelism: str | None = None,
     records_lost: bool = False,
+    joins: tuple[tuple[int, int], ...] = (),
 ) -> DistributedTiming:
     """Per-rank local work and the straggler gates over the steps in `sel` (S,) bool; with communication not
     measured under `parallelism`, only the data waits and the sync-count check (over every step; a step
-    missing on one rank counts as diverged unless the reader dropped `records_lost`: it may be one of them)."""
-    timing = replace(
-        _distributed_timing(arrays, sel), count_divergence=count_divergence(arrays, not records_lost)
-    )
+    missing on one rank counts as diverged unless the reader dropped `records_lost`: it may be one of them,
+    or the rank waited inside torch's Join then, out of batches: `joins`, as RunContext's)."""
+    divergence = count_divergence(arrays, not records_lost, joins)
+    timing = replace(_distributed_timing(arrays, sel), count_divergence=divergence)
     if not comm_measured:
         return _without_comm(timing, parallelism)
     return timing if timing.stragglers else replace(timing, late=_late(arrays, sel, timing))
@@ -394,19 +395,22 @@ def _straggler_cost(local: np.ndarray, slow: np.ndarray) -> tuple[float, float]:
     return float(lost.mean(dtype=np.float64)), float(np.median(slowest_good))
 
 
-def count_divergence(arrays: RunArrays, gaps: bool = True) -> CountDivergence | None:
+def count_divergence(
+    arrays: RunArrays, gaps: bool = True, joins: tuple[tuple[int, int], ...] = ()
+) -> CountDivergence | None:
     """The first step where some rank's gradient syncs, or else its optimizer steps, differ from the
     majority's: a skipped or extra optimizer step, `no_sync()` on some ranks only. (An extra optimizer step
     changes no count of syncs or of steps: the loop top closes a step, so both calls fall in one.)"""
+    joined = inside_joins(arrays, joins)
     found = [
-        d
-        for d in (_divergence(arrays, "grad_syncs", gaps), _divergence(arrays, "optimizer_steps", gaps))
-        if d
+        d for d in (_divergence(arrays, c, gaps, joined) for c in ("grad_syncs", "optimizer_steps")) if d
     ]
     return min(found, key=lambda d: d.step) if found else None  # (syncs first at the same step)
 
 
-def _divergence(arrays: RunArrays, counter: str, gaps: bool = True) -> CountDivergence | None:
+def _divergence(
+    arrays: RunArrays, counter: str, gaps: bool = True, joined: np.ndarray | None = None
+) -> CountDivergence | None:
     """First step where some rank's per-step `counter` differs from the majority's.
 
     Before that step every rank's cumulative count is equal, so the first per-step difference is exactly
@@ -422,10 +426,11 @@ def _divergence(arrays: RunArrays, counter: str, gaps: bool = True) -> CountDive
         present = np.isfinite(g)
         # A rank missing a step another rank recorded also breaks the count (NaN vs a number), unless its
         # records in that step's segment ended before it (a hang or a kill before the gather) or it has none
-        # there (a job resumed on fewer or more ranks): missing is not diverged.
+        # there (a job resumed on fewer or more ranks), or it waited inside a join: missing is not diverged.
         partial = present.any(axis=1) & ~present.all(axis=1) & gaps
         if partial.any():  # (a healthy run has no gap: nothing more to look at)
-            partial &= ~(present | _excused(present, arrays.segment, partial)).all(axis=1)
+            accounted = present | _excused(present, arrays.segment, partial)
+            partial &= ~(accounted if joined is None else accounted | joined).all(axis=1)
     bad_steps = np.flatnonzero(differs.any(axis=1) | partial)
     if bad_steps.size == 0:
         return None
@@ -440,6 +445,63 @@ def _divergence(arrays: RunArrays, counter: str, gaps: bool = True) -> CountDive
         counts=tuple(float(row[j]) for j in off),
         majority=most if most is not None else math.nan,
     )
+
+
+@dataclass(frozen=True)
+class JoinWait:
+    """A rank that ran out of batches first and waited inside torch's Join while the others trained on,
+    over every join it went through (one per epoch, where each epoch joins)."""
+
+    rank: int
+    last_step: int  # its last step before its first join
+    joins: int
+    steps_missed: int  # steps the others took while it waited
+    wait_s: float  # their wall time
+    share: float  # of the run's wall time (the steps analysed)
+
+
+def join_waits(
+    arrays: RunArrays, joins: tuple[tuple[int, int], ...], wall: np.ndarray
+) -> tuple[JoinWait, ...]:
+    """Each rank of `joins` (RunContext's), with the steps it missed inside a join and their wall time
+    (`wall`, (S,) the job's wall time per step)."""
+    if not joins:
+        return ()
+    inside = inside_joins(arrays, joins)
+    total = float(np.nansum(wall))
+    column = {int(r): i for i, r in enumerate(arrays.ranks.tolist())}
+    out = []
+    for rank in sorted({r for r, _ in joins if r in column}):
+        missed = inside[:, column[rank]]
+        wait = float(np.nansum(wall[missed])) / 1e3
+        out.append(
+            JoinWait(
+                rank=rank,
+                last_step=min(step for r, step in joins if r == rank),
+                joins=sum(1 for r, _ in joins if r == rank),
+                steps_missed=int(missed.sum()),
+                wait_s=wait,
+                share=wait * 1e3 / total if total > 0 else math.nan,
+            )
+        )
+    return tuple(out)
+
+
+def inside_joins(arrays: RunArrays, joins: tuple[tuple[int, int], ...]) -> np.ndarray:
+    """(S, R) bool: the steps each rank of `joins` (rank, its last step) missed while it waited inside torch's
+    Join, out of batches: from the step after its last until its next record (the next epoch's join), or
+    the end."""
+    out = np.zeros(arrays.wall_ms.shape, dtype=bool)
+    column = {int(r): i for i, r in enumerate(arrays.ranks.tolist())}
+    present = np.isfinite(arrays.wall_ms)
+    for rank, step in joins:
+        i = column.get(rank)
+        if i is None:
+            continue
+        start = int(np.searchsorted(arrays.steps, step, side="right"))
+        back = np.flatnonzero(present[start:, i])
+        out[start : start + (int(back[0]) if back.size else arrays.n_steps), i] = True
+    return out
 
 
 def majority(values: np.ndarray, history: np.ndarray | None = None) -> float | None:

@@ -345,16 +345,17 @@ def desync(a: RunAnalysis) -> list[Finding]:
     out: list[Finding] = []
     for check in a.ctx.counts_checks:
         bad: dict[int, list[str]] = {}
-        for name in ("steps", "grad_syncs", "micro_batches"):
-            values = np.asarray(getattr(check, name), dtype=np.float64)
-            if values.size < 2 or np.unique(values).size < 2:
+        for name in check.COUNTERS:
+            values = np.asarray(check.compared(name), dtype=np.float64)  # (NaN: a rank inside a join)
+            compared = np.flatnonzero(np.isfinite(values))
+            if compared.size < 2 or np.unique(values[compared]).size < 2:
                 continue
             most = majority(values)
             if most is None:  # no majority (2 ranks): nobody singled out
-                for i in range(values.size):
+                for i in compared.tolist():
                     bad.setdefault(i, []).append(f"{name} {values[i]:.0f}")
                 continue
-            for i in np.flatnonzero(values != most).tolist():
+            for i in compared[values[compared] != most].tolist():
                 bad.setdefault(i, []).append(f"{name} {values[i]:.0f} vs {most:.0f}")
         if bad:
             parts = "; ".join(f"rank {r}: {', '.join(v)}" for r, v in sorted(bad.items()))
@@ -721,6 +722,42 @@ def duplicate_shards(a: RunAnalysis) -> list[Finding]:
             evidence={"duplicated_share": d.duplicated_share, "steps_checked": float(d.steps_checked)},
         )
     ]
+
+
+JOIN_WAIT_MED_SHARE = 0.05
+"""A rank idle inside a join for a twentieth of the run costs the job what a 5% slower rank would (a
+straggler of that size is a finding too), and the steps it missed trained on fewer ranks' data."""
+
+
+@rule("DATA.UNEVEN_SHARDS")
+def uneven_inputs(a: RunAnalysis) -> list[Finding]:
+    """Ranks that ran out of batches and waited inside torch's Join while the others trained on: measured,
+    where the check at start (shards.py) predicts it from the loaders' lengths. One finding per rank."""
+    out = []
+    for w in a.join_waits:
+        epochs = f" (in {w.joins} joins)" if w.joins > 1 else ""
+        out.append(
+            Finding(
+                code="DATA.UNEVEN_SHARDS",
+                severity=Severity.MED if w.share >= JOIN_WAIT_MED_SHARE else Severity.LOW,
+                title=f"Rank {w.rank} ran out of batches first and waited inside join()",
+                detail=(
+                    f"Rank {w.rank} had no batch after step {w.last_step}: it waited inside torch's Join "
+                    f"(uneven inputs) through {w.steps_missed} steps the other ranks took{epochs}, "
+                    f"{w.wait_s:.3g} s ({_pct(w.share)} of the run's wall time), and gave no gradients to them."
+                ),
+                recommendation=(
+                    "If the unevenness is not intended, give every rank the same number of batches "
+                    "(DistributedSampler(drop_last=True); Accelerate: even_batches=True). If it is, those steps "
+                    "average fewer ranks' gradients, still divided by the whole world size unless "
+                    "divide_by_initial_world_size=False is passed to join()."
+                ),
+                ranks=(w.rank,),
+                steps=(w.last_step,),
+                evidence={"steps_missed": float(w.steps_missed), "wait_s": w.wait_s, "share": w.share},
+            )
+        )
+    return out
 
 
 # --- convergence -------------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from ..context import RunContext
 from ..records import COL
 from .convergence import Convergence, LossHistory, convergence
 from .data import DuplicateShards, duplicate_shards
-from .distributed import DistributedTiming, distributed_timing, with_placement
+from .distributed import DistributedTiming, JoinWait, distributed_timing, join_waits, with_placement
 from .efficiency import Efficiency, efficiency
 from .memory import MemoryStats, memory_stats
 from .timing import StepTiming, launch_sizes, phase_ms_per_step, statistics_steps, step_timing, step_wall_ms
@@ -45,6 +45,7 @@ class RunAnalysis:
     memory: MemoryStats
     duplicates: DuplicateShards
     rank_ends: tuple[RankEnd, ...] = ()
+    join_waits: tuple[JoinWait, ...] = ()  # ranks out of batches inside torch's Join (uneven inputs)
     # The last step each launch (segment) recorded, replayed steps included; only where the run holds hang
     # reports (a hang a launch ended is not one the run went on past: `rules._gone_past`).
     launch_last_steps: Mapping[int, int] = field(default_factory=dict)
@@ -57,7 +58,7 @@ def analyze(arrays: RunArrays, ctx: RunContext, loss_history: LossHistory | None
     sizes = {s.index: s.world_size for s in ctx.segments}
     launch_size = launch_sizes(arrays.segment, sizes) if len(set(sizes.values())) > 1 else None
     timing = step_timing(arrays, wall, phase_ms_per_step(arrays), launch_size)
-    dist = distributed_timing(arrays, sel, ctx.comm_measured, ctx.parallelism, ctx.records_lost)
+    dist = distributed_timing(arrays, sel, ctx.comm_measured, ctx.parallelism, ctx.records_lost, ctx.joins)
     dist = with_placement(dist, ctx.placement)  # hosts and local ranks, for the report's per-rank table
     return RunAnalysis(
         ctx=ctx,
@@ -74,6 +75,7 @@ def analyze(arrays: RunArrays, ctx: RunContext, loss_history: LossHistory | None
         memory=memory_stats(arrays, ctx, sel),
         duplicates=duplicate_shards(arrays),
         rank_ends=rank_ends(arrays, ctx),
+        join_waits=join_waits(arrays, ctx.joins, wall),
         launch_last_steps=launch_last_steps(arrays) if ctx.hang_reports else {},
     )
 
@@ -115,6 +117,10 @@ def rank_ends(arrays: RunArrays, ctx: RunContext) -> tuple[RankEnd, ...]:
         later = [seg for seg in ctx.segments if seg.index > ended_in and seg.world_size <= rank]
         if rank in notes:
             reason = notes[rank]
+        elif (rank, last) in ctx.joins:
+            reason = (
+                "it ran out of batches and waited inside join() while the others trained on (uneven inputs)"
+            )
         elif later:  # an elastic restart with fewer ranks
             reason = (
                 f"the job resumed from step {later[0].resumed_from_step} with {later[0].world_size} rank(s)"
@@ -141,6 +147,8 @@ def rank_ends(arrays: RunArrays, ctx: RunContext) -> tuple[RankEnd, ...]:
 
 def _took_fewer_steps(ctx: RunContext, rank: int) -> bool:
     """Whether a gather saw this rank count fewer optimizer steps than another rank."""
-    return any(
-        rank < len(check.steps) and check.steps[rank] < max(check.steps) for check in ctx.counts_checks
-    )
+    for check in ctx.counts_checks:
+        steps = check.compared("steps")
+        if rank < len(steps) and steps[rank] < max((s for s in steps if s == s), default=steps[rank]):
+            return True
+    return False
