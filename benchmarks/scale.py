@@ -158,7 +158,7 @@ def rank0_ingest(world: int, intervals: int = 5) -> dict[str, Any]:
             for i, rows in enumerate(batches):
                 n = (i + 1) * STEPS_PER_INTERVAL
                 headers = np.tile(
-                    [float(n), float(n), float(n), float(STEPS_PER_INTERVAL), np.nan], (world, 1)
+                    [float(n), float(n), float(n), float(STEPS_PER_INTERVAL), np.nan, np.nan], (world, 1)
                 )
                 t0 = time.perf_counter()
                 live.record(headers, rows, i + 1, n)

@@ -198,10 +198,11 @@ def test_a_window_longer_than_the_block_still_arrives_whole(tmp_path):
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         g = Gatherer(timeout_s=30, capacity=4)
-        ex = g.exchange((10.0, 10.0, 10.0, 0.5), rows_of(0, range(1, 11)))  # 10 rows, 4 fit the block
+        counters = (10.0, 10.0, 10.0, 0.5, 24.0)  # (joined_at: out of batches inside a Join after step 24)
+        ex = g.exchange(counters, rows_of(0, range(1, 11)))  # 10 rows, 4 fit the block
         assert ex is not None and ex.rows[:, COL["step"]].tolist() == list(range(1, 11))
-        assert ex.headers.tolist() == [[10.0, 10.0, 10.0, 10.0, 0.5]] and len(HEADER) == 5
-        assert g.exchange((10.0, 10.0, 10.0, 0.5), rows_of(0, range(0))).rows.shape == (0, NCOLS)
+        assert ex.headers.tolist() == [[10.0, 10.0, 10.0, 10.0, 0.5, 24.0]] and len(HEADER) == 6
+        assert g.exchange(counters, rows_of(0, range(0))).rows.shape == (0, NCOLS)
         assert g.gather_places("héte", 3) == [("héte", 3)]
         g.destroy()
     finally:
@@ -220,7 +221,7 @@ def gathered(n: int, final: bool = False) -> Gathered:
     rows = np.concatenate(
         [rows_of(0, range(10 * n + 1, 10 * n + 11)), rows_of(1, range(10 * n + 1, 10 * n + 11))]
     )
-    headers = np.tile([10.0 * (n + 1), 10.0 * (n + 1), 10.0 * (n + 1), 10.0, np.nan], (2, 1))
+    headers = np.tile([10.0 * (n + 1), 10.0 * (n + 1), 10.0 * (n + 1), 10.0, np.nan, np.nan], (2, 1))
     return Gathered(headers, rows, n + 1, 10 * (n + 1), final, [], None)
 
 
@@ -333,7 +334,9 @@ def record_launch(live: LiveDiagnosis, loss: np.ndarray, first: int, last: int, 
         rows = np.concatenate([rows_of(r, steps) for r in (0, 1)])
         rows[:, COL["segment"]] = segment
         rows[:, COL["loss"]] = np.tile(loss[steps[0] - 1 : steps[-1]], 2)
-        live.record(np.tile([steps[-1]] * 3 + [10.0, np.nan], (2, 1)), rows, start // 50 + 1, steps[-1])
+        live.record(
+            np.tile([steps[-1]] * 3 + [10.0, np.nan, np.nan], (2, 1)), rows, start // 50 + 1, steps[-1]
+        )
 
 
 def test_the_live_diagnosis_judges_the_loss_over_the_whole_run_as_the_final_report_does(tmp_path):
@@ -364,7 +367,9 @@ def test_a_loss_that_stays_non_finite_on_one_rank_reads_so_live_as_in_the_final_
         rows = np.concatenate([rows_of(r, steps) for r in (0, 1)])
         rows[:, COL["loss"]] = np.tile(loss[start - 1 : start + 49], 2)
         rows[50:, COL["loss"]] = np.where(np.asarray(steps) >= 40, np.inf, rows[50:, COL["loss"]])
-        live.record(np.tile([steps[-1]] * 3 + [10.0, np.nan], (2, 1)), rows, start // 50 + 1, steps[-1])
+        live.record(
+            np.tile([steps[-1]] * 3 + [10.0, np.nan, np.nan], (2, 1)), rows, start // 50 + 1, steps[-1]
+        )
     live.diagnose(1200)
     live.reporter.close()
     final = summarize(load_run(tmp_path).arrays, RunContext(world_size=2))
@@ -468,7 +473,7 @@ def test_a_hang_every_rank_went_on_past_is_not_said_again_when_the_live_window_m
             rows[89, COL["other_ms"]] += 12_000
             rows[[39, 89], COL["wall_ms"]] += 12_000
             live.hang(report, 41)
-        live.record(np.tile([steps[-1]] * 3 + [10.0, np.nan], (2, 1)), rows, gather, steps[-1])
+        live.record(np.tile([steps[-1]] * 3 + [10.0, np.nan, np.nan], (2, 1)), rows, gather, steps[-1])
         live.diagnose(steps[-1])
     live.reporter.close()
     said = [(e["step"], e["finding"]["code"]) for e in read_events(tmp_path)[0] if e["type"] == "finding"]
@@ -495,10 +500,10 @@ def test_the_live_loss_history_is_the_runs_per_step_loss_in_step_order_past_warm
         rows[:, COL["loss"]] = np.tile(np.array(steps_in, dtype=float), 2)
         if n == 3:  # rank 1's step 40 comes in a later gather than rank 0's (ranks out of step)
             rows = rows[:-1]
-        live.record(np.zeros((2, 5)), rows, n + 1, max(steps_in))
+        live.record(np.c_[np.zeros((2, 5)), [np.nan, np.nan]], rows, n + 1, max(steps_in))
     lagging = rows_of(1, range(40, 41))
     lagging[:, COL["loss"]] = 42.0
-    live.record(np.zeros((2, 5)), lagging, 5, 41)
+    live.record(np.c_[np.zeros((2, 5)), [np.nan, np.nan]], lagging, 5, 41)
     history = live._loss_history()
     assert history.steps.tolist() == list(range(1, 41))
     assert history.loss[:39].tolist() == list(range(1, 40)) and history.loss[39] == (40.0 + 42.0) / 2
