@@ -621,6 +621,77 @@ def test_manual_optimization_with_two_optimizers_numbers_steps_as_lightning(tmp_
     assert ours and max(ours) <= max(theirs) + 1 and max(theirs) < 20, (ours, theirs)
 
 
+# A fit of 24 batches whose every 4th optimizer step is skipped (argv: run dir, optimization): under manual
+# optimization the module skips `opt.step()` and still calls `opt.zero_grad()` after the backward; under
+# automatic optimization (16-mixed on CPU) its loss is infinite there, so Lightning's GradScaler skips the step.
+SKIPPED_STEP_JOB = """
+import sys
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.plugins.precision import MixedPrecision
+from torch.utils.data import DataLoader, TensorDataset
+
+from pytscope_lightning import ScopeCallback
+
+run_dir, optimization = sys.argv[1], sys.argv[2]
+
+
+class Module(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Linear(8, 1)
+        self.automatic_optimization = optimization == "automatic"
+
+    def training_step(self, batch, batch_idx):
+        loss = torch.nn.functional.mse_loss(self.net(batch[0]), batch[1])
+        skipped = batch_idx % 4 == 3
+        if self.automatic_optimization:
+            return loss * float("inf") if skipped else loss
+        opt = self.optimizers()
+        self.manual_backward(loss)
+        if not skipped:
+            opt.step()
+        opt.zero_grad()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+torch.manual_seed(0)
+torch.set_num_threads(1)
+scaler = torch.amp.GradScaler("cpu", init_scale=1.0)  # (a scale too small to overflow fp16 by itself)
+trainer = pl.Trainer(
+    accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
+    enable_progress_bar=False, enable_model_summary=False,
+    callbacks=[ScopeCallback(run_dir=run_dir, interval=8, warmup=0, console=False)],
+    plugins=[MixedPrecision("16-mixed", "cpu", scaler)] if optimization == "automatic" else [],
+)
+data = TensorDataset(torch.randn(96, 8), torch.randn(96, 1))
+trainer.fit(Module(), DataLoader(data, batch_size=4))
+wrapper = trainer.strategy._lightning_optimizers[0]
+assert "zero_grad" not in vars(wrapper), "the scope's wrapper is left on Lightning's optimizer"
+assert "zero_grad" not in vars(wrapper.optimizer), "the scope's wrapper is left on the torch optimizer"
+assert "step" not in vars(scaler), "the scope's wrapper is left on the GradScaler"
+"""
+
+
+@pytest.mark.parametrize("optimization", ["manual", "automatic"])
+def test_a_step_the_optimizer_skipped_is_a_step_of_its_own(tmp_path: Path, optimization: str) -> None:
+    # Each skipped step merged into the next batch's (18 and 17 records of 24 batches). Manual: the module's
+    # `opt.zero_grad()` is Lightning's wrapper's, which never reached the scope's on the torch optimizer.
+    # Automatic: Lightning clears gradients in the next batch's closure, after its forward, too late to end
+    # the step before it.
+    script, run_dir = tmp_path / "job.py", tmp_path / "run"
+    script.write_text(SKIPPED_STEP_JOB)
+    _run(script, run_dir, optimization, cwd=tmp_path)
+    rows = read_rows(run_dir)
+    assert rows[:, COL["optimizer_steps"]].tolist() == [0 if i % 4 == 3 else 1 for i in range(24)]
+    assert (rows[:, COL["micro_batches"]] == 1).all(), rows[:, COL["micro_batches"]]
+    if optimization == "automatic":  # (manual: Lightning's global_step counts no step never taken)
+        assert rows[:, COL["step"]].tolist() == list(range(24))
+
+
 @pytest.mark.parametrize(
     "flops_args, expected",
     [
