@@ -57,6 +57,8 @@ class ReplicaCheck:
 
 RAISED = " raised "
 """In the reason a rank wrote its own rows with, when an exception ended it ("the fit raised ...")."""
+LEFT = " left the job "
+"""...and when it ended without finish() while another rank waited for it ("the process left the job ...")."""
 
 
 @dataclass(frozen=True)

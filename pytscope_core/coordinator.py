@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -170,7 +171,7 @@ class Coordinator:
         """Set in the store by a rank whose scope was disabled (this launch and segment)."""
         return f"{self.store_prefix}/disabled"
 
-    def all_ranks_arrive(self) -> str | None:
+    def all_ranks_arrive(self, give_up: Callable[[], str | None] | None = None) -> str | None:
         """Meet at the store first, so a rank that died or never finishes cannot hang the final gather. None
         when every rank arrived (the final gather may run); else why not, and this rank must not gather.
 
@@ -178,7 +179,7 @@ class Coordinator:
         to arrive, or "gave up", set by a rank that waited FINISH_WAIT_S. Whichever comes first holds for every
         rank, so a rank arriving after another gave up never gathers alone with a rank that has left. The wait
         is short polls, not one blocking call: a SIGTERM handler, and the watchdog's own store calls on the
-        same client, run while this rank waits."""
+        same client, run while this rank waits. `give_up`, asked at each poll, may end the wait early with why."""
         store = default_store()
         if store is None:
             return None
@@ -191,13 +192,17 @@ class Coordinator:
             outcome = store.compare_set(outcome_key, "", _ALL)
         else:
             deadline = time.monotonic() + FINISH_WAIT_S
-            while outcome is None and time.monotonic() < deadline:
+            why = None
+            while outcome is None and why is None and time.monotonic() < deadline:
                 if store.check([outcome_key]):
                     outcome = store.get(outcome_key)
                 else:
                     time.sleep(FINISH_POLL_S)
+                    why = give_up() if give_up is not None else None
             if outcome is None:
                 outcome = store.compare_set(outcome_key, "", _GAVE_UP)
+            if outcome != _ALL and why is not None:
+                return why
         if outcome == _ALL:
             return None
         missing = [r for r in range(self.world_size) if not store.check([f"{key}/{r}"])]

@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from .arrays import RunArrays
-from .context import RAISED, CountsCheck, RankFailure, ReplicaCheck, RunContext, Segment
+from .context import LEFT, RAISED, CountsCheck, RankFailure, ReplicaCheck, RunContext, Segment
 from .findings import Finding
 from .records import COL, COLUMNS, NCOLS, PHASE_COLS
 
@@ -213,7 +213,9 @@ def read_rank_files(
                     raise ValueError("another rank's entry")
                 later = every[:, COL["step"]][every[:, COL["rank"]] == rank]
                 went_on = last is not None and later.size > 0 and float(np.nanmax(later)) > float(last)
-                if RAISED in reason and not reason.split(RAISED, 1)[1].startswith(NOT_FAILURES):
+                if LEFT in reason or (
+                    RAISED in reason and not reason.split(RAISED, 1)[1].startswith(NOT_FAILURES)
+                ):
                     t, seg = entry.get("t"), entry.get("segment")
                     at = float(t) if isinstance(t, (int, float)) and math.isfinite(t) else None
                     step = int(last) if last is not None else None

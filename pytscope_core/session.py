@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import os
 import socket
@@ -25,7 +26,7 @@ import numpy as np
 
 from .clocks import CudaEventClock
 from .collectives import TorchCollectives
-from .context import Segment
+from .context import LEFT, Segment
 from .coordinator import default_store, dist_alive
 from .findings import Finding
 from .records import COL
@@ -34,7 +35,7 @@ from .shards import uneven_shards_finding
 from .signals import SigtermChain
 
 # (imported now: it binds the clocks early)
-from .watchdog import AUTO_MIN_S, AUTO_STEP_FACTOR, AUTO_WARMUP_S, Watchdog, position
+from .watchdog import AUTO_MIN_S, AUTO_STEP_FACTOR, AUTO_WARMUP_S, Watchdog, left_waiting, position
 
 if TYPE_CHECKING:
     from .scope import Scope
@@ -88,7 +89,7 @@ class RunSession:
         from .reporter import RunReporter
 
         scope = self.scope
-        self.reporter = RunReporter(self.run_dir, self._meta(), scope.options.console)
+        self.reporter = RunReporter(self.run_dir, run_meta(scope), scope.options.console)
         host_start = scope.recorder.host_start_ns
         segment = Segment(
             index=scope.segment,
@@ -106,41 +107,6 @@ class RunSession:
         self.reporter.messages(scope.errors, scope.notes)  # those from before the run existed (in watch())
         if scope.flops.learnt:
             self.reporter.learnt(**scope.flops.take_learnt())
-
-    def _meta(self) -> dict[str, Any]:
-        import torch
-
-        from . import __version__
-        from .flops import peak_flops_for
-
-        scope, options = self.scope, self.scope.options
-        device = "cpu"
-        mem_limit: float | None = _host_memory()
-        if isinstance(scope.recorder.clock, CudaEventClock):
-            props = torch.cuda.get_device_properties(scope.recorder.clock.device)
-            device, mem_limit = props.name, float(props.total_memory)
-        precision = scope.flops.precision or "bf16"
-        scope.flops.device = device  # (a precision learnt later, under autocast, corrects the peak: `learnt`)
-        return {
-            "created_s": time.time(),
-            "world_size": scope.coordinator.world_size,
-            "interval": options.interval,
-            "warmup": options.warmup,
-            "integration": scope.integration,
-            "step_origin": scope.recorder.step_origin,
-            "device": device,
-            "mem_limit_bytes": mem_limit,
-            "peak_flops": options.peak_flops or peak_flops_for(device, precision),
-            "peak_precision": None if options.peak_flops else precision,
-            "flops_per_step": options.flops_per_step,
-            "flops_estimated": False,
-            "parallelism": scope.parallelism.name,
-            "comm_measured": scope.parallelism.comm_measured,
-            "host": socket.gethostname(),
-            "torch": torch.__version__,
-            "pytscope": __version__,
-            "argv": sys.argv,
-        }
 
     # -- hangs ----------------------------------------------------------------------------------------
     def _start_watchdog(self) -> None:
@@ -277,10 +243,12 @@ class RunSession:
                 if self.rank != 0:  # rank 0 writes its own below, as a process of its own
                     self.own_rows.flush("finish() after the process group was destroyed")
             elif coordinator.distributed:
-                absent = coordinator.all_ranks_arrive()
+                absent = coordinator.all_ranks_arrive(
+                    functools.partial(left_mid_training, scope) if forgotten else None
+                )
                 if absent is not None:
                     scope.note(absent, error=True)
-                    self.own_rows.flush("finish without every rank")
+                    self.own_rows.flush(absent if LEFT in absent else "finish without every rank")
                     coordinator.gatherer = None
             if coordinator.distributed or self.rank == 0:
                 self.gather(final=True)
@@ -342,6 +310,60 @@ class RunSession:
             self.ingest.close(timeout_s=HANG_DRAIN_S)
         if self.reporter is not None:
             self.reporter.close()
+
+
+def run_meta(scope: Scope) -> dict[str, Any]:
+    """The run's settings, device and limits, as `meta.json` keeps them."""
+    import torch
+
+    from . import __version__
+    from .flops import peak_flops_for
+
+    options = scope.options
+    device = "cpu"
+    mem_limit: float | None = _host_memory()
+    if isinstance(scope.recorder.clock, CudaEventClock):
+        props = torch.cuda.get_device_properties(scope.recorder.clock.device)
+        device, mem_limit = props.name, float(props.total_memory)
+    precision = scope.flops.precision or "bf16"
+    scope.flops.device = device  # (a precision learnt later, under autocast, corrects the peak: `learnt`)
+    return {
+        "created_s": time.time(),
+        "world_size": scope.coordinator.world_size,
+        "interval": options.interval,
+        "warmup": options.warmup,
+        "integration": scope.integration,
+        "step_origin": scope.recorder.step_origin,
+        "device": device,
+        "mem_limit_bytes": mem_limit,
+        "peak_flops": options.peak_flops or peak_flops_for(device, precision),
+        "peak_precision": None if options.peak_flops else precision,
+        "flops_per_step": options.flops_per_step,
+        "flops_estimated": False,
+        "parallelism": scope.parallelism.name,
+        "comm_measured": scope.parallelism.comm_measured,
+        "host": socket.gethostname(),
+        "torch": torch.__version__,
+        "pytscope": __version__,
+        "argv": sys.argv,
+    }
+
+
+def left_mid_training(scope: Scope) -> str | None:
+    """At interpreter exit without finish(): why this rank is leaving the job mid-training, where another rank
+    waits for it in a collective of training (that rank never comes to finish()); else None."""
+    store, coordinator = default_store(), scope.coordinator
+    waiting = (
+        left_waiting(store, coordinator.store_prefix, coordinator.rank, coordinator.world_size)
+        if store
+        else None
+    )
+    if waiting is None:
+        return None
+    return (
+        f"the process{LEFT}without finish() while rank {waiting[0]} waited for it in `{waiting[1]}` "
+        "(sys.exit(), or the end of the script, on this rank only)"
+    )
 
 
 def replica_checksum(model: Any) -> float:

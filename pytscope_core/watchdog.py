@@ -339,6 +339,24 @@ def _kept_waiting(
     )
 
 
+LEFT_BEHIND_S = 2.0
+"""At this process's exit without finish(): another rank inside a collective of training this long (two beats on
+small jobs) is waiting for this one, which is leaving the job mid-training."""
+
+
+def left_waiting(store: Any, prefix: str, rank: int, world_size: int) -> tuple[int, str] | None:
+    """Another rank (and its phase) that its heartbeat shows waiting in a collective of training for at least
+    LEFT_BEHIND_S: at this rank's exit, it waits for this rank and will not come to finish()."""
+    keys = [f"{prefix}/hb/{r}" for r in range(world_size)]
+    now = _wall()
+    for r, raw in sorted(read_beats(store, keys).items()):
+        beat = json.loads(raw)
+        waited = float(beat["idle_s"]) + max(0.0, now - float(beat["t"]))
+        if r != rank and beat["phase"] in TRAINING_COLLECTIVES and waited >= LEFT_BEHIND_S:
+            return r, str(beat["phase"])
+    return None
+
+
 def _idle(beat: dict[str, Any]) -> float:
     return float(beat["idle_s"]) + float(beat.get("age_s", 0.0))
 

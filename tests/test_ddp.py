@@ -304,6 +304,31 @@ def test_an_exception_on_one_rank_ends_the_job_at_once_and_the_report_names_it(t
     assert failed["title"] == "rank 1 failed after step 29: RuntimeError: injected failure [rank 1, step 30]"
 
 
+def test_a_rank_that_exits_alone_mid_training_is_named_as_the_one_that_left(tmp_path):
+    # Rank 1 calls sys.exit(3) at step 30 without finish(). At exit its scope finishes for it, but rank 0 is
+    # waiting for it in the gradient all-reduce and never comes: it must not wait FINISH_WAIT_S (30 s) for
+    # rank 0, which keeps rank 0 blocked, and the report names rank 1 as the rank that left, not rank 0's
+    # "connection closed by peer" that follows (and before: read as rank 1 finishing without the others).
+    cmd = [
+        *(sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--max_restarts", "0"),
+        *("--master_port", str(free_port()), str(Path(__file__).parent / "scripts" / "node_job.py")),
+        *("--run-dir", str(tmp_path / "run"), "--out", str(tmp_path), "--interval", "10"),
+        *("--exit-at", "30", "--hang-timeout", "auto"),
+    ]
+    t0 = time.monotonic()
+    done = subprocess.run(
+        cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=120
+    )
+    took = time.monotonic() - t0
+    assert done.returncode != 0 and took < FINISH_WAIT_S, f"{took:.0f} s"
+    s = report(tmp_path / "run")
+    (failed,) = [f for f in s["findings"] if f["code"] == "RUN.FAILED"]
+    assert failed["ranks"] == [1] and failed["steps"] == [29], failed
+    assert failed["title"].startswith(
+        "rank 1 left the job after step 29 without finish() while rank 0 waited"
+    )
+
+
 JOIN_RUN = dict(
     interval=5, gather_timeout=20.0, epochs=1, loader=True
 )  # (a stall would take 20 s, then fail)

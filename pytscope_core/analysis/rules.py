@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable
 
 import numpy as np
 
-from ..context import RAISED, RankFailure
+from ..context import LEFT, RAISED, RankFailure
 from ..findings import Finding, Severity, format_ranks, severity_at
 from .distributed import CountDivergence, majority
 from .run import RunAnalysis
@@ -578,7 +578,8 @@ def _stalls_reported_as_hangs(a: RunAnalysis) -> dict[int, int]:
 
 @rule("RUN.FAILED")
 def failed(a: RunAnalysis) -> list[Finding]:
-    """The rank whose exception came first, each time one ended a launch: the other ranks' errors (a
+    """The rank whose exception came first, each time one ended a launch, or that left the job first (its
+    process ended without finish() while another rank waited for it): the other ranks' errors (a
     collective's "connection closed by peer") most likely followed from it. HIGH where it ended the run, MED
     where the job was resumed past it (the restart's cost is in the goodput)."""
     out, seen = [], set()
@@ -591,8 +592,18 @@ def failed(a: RunAnalysis) -> list[Finding]:
         same = [f for f in a.ctx.failures if _launch_of(f) == launch]
         others = [f for f in same if f.rank != first.rank]
         after = "" if first.last_step is None else f" after step {first.last_step}"
-        what = first.reason.split(RAISED, 1)[-1]
-        detail = f"Rank {first.rank} raised {what}{after}."
+        left = LEFT in first.reason  # (it ended without finish() while another rank waited for it)
+        what = first.reason.split(LEFT if left else RAISED, 1)[-1]
+        title = (
+            f"rank {first.rank} left the job{after} {what}"
+            if left
+            else f"rank {first.rank} failed{after}: {what}"
+        )
+        detail = (
+            f"Rank {first.rank} left the job{after} {what}."
+            if left
+            else f"Rank {first.rank} raised {what}{after}."
+        )
         if others:
             ranks = sorted({f.rank for f in others})
             then = others[0].reason.split(RAISED, 1)[-1]
@@ -608,10 +619,14 @@ def failed(a: RunAnalysis) -> list[Finding]:
             Finding(
                 code="RUN.FAILED",
                 severity=Severity.MED if past else Severity.HIGH,
-                title=f"rank {first.rank} failed{after}: {what}"[:160],
+                title=title[:160],
                 detail=detail,
                 recommendation=(
-                    f"Read rank {first.rank}'s traceback first (its own log; torchrun names the first failure "
+                    f"Find where rank {first.rank} ends early (a sys.exit() or return that one rank decides "
+                    "alone: a NaN guard, early stopping, a time limit): decide it on every rank together "
+                    "(all_reduce the flag), then exit the loop on all of them; the other ranks' errors followed."
+                    if left
+                    else f"Read rank {first.rank}'s traceback first (its own log; torchrun names the first failure "
                     "too): the other ranks' errors followed from it."
                 ),
                 ranks=(first.rank,),

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -38,6 +39,8 @@ def main() -> None:
     p.add_argument("--slow-local-rank", type=int, default=None)
     p.add_argument("--spin-ms", type=float, default=4.0)
     p.add_argument("--raise-at", type=int, default=None)
+    p.add_argument("--exit-at", type=int, default=None, help="rank 1 calls sys.exit(3) there")
+    p.add_argument("--hang-timeout", default=None, help='"auto", or seconds (default: no hang detection)')
     args = p.parse_args()
 
     torch.set_num_threads(1)
@@ -47,7 +50,8 @@ def main() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
-    scope = Scope(args.run_dir, interval=args.interval, console=False, hang_timeout=None)
+    hang_timeout = args.hang_timeout if args.hang_timeout in (None, "auto") else float(args.hang_timeout)
+    scope = Scope(args.run_dir, interval=args.interval, console=False, hang_timeout=hang_timeout)
     scope.watch(ddp, opt)
     slow = os.environ.get("PYTSCOPE_HOST") == args.slow_host and args.slow_local_rank in (None, local_rank)
     gen = torch.Generator().manual_seed(rank)
@@ -55,6 +59,10 @@ def main() -> None:
     for step in range(1, args.steps + 1):
         if rank == 1 and step == args.raise_at:
             raise RuntimeError(f"injected failure [rank {rank}, step {step}]")  # brackets: not rich markup
+        if rank == 1 and step == args.exit_at:
+            sys.exit(
+                3
+            )  # an exit decided on this rank alone (a NaN guard, early stopping), finish() not called
         x = torch.randn(64, 32, generator=gen)
         if slow:
             spin(args.spin_ms)
