@@ -139,7 +139,6 @@ class ScopeCallback(Callback):
         _mark_training_step(scope, trainer, opens_step=self._fetch_in_step and self._fetch_timed)
         _pause_where_hooks_come_late(scope, trainer)
         self._optimizer_after_clipping = _mark_optimizer_after_clipping(scope, trainer)
-        _zero_grad_through_torch_optimizers(trainer)
         _end_steps_the_scaler_skips(scope, trainer)
         for owner, names in _collectives(trainer):
             time_methods(owner, names, scope.hooks, scope.fail)
@@ -398,36 +397,14 @@ def _mark_optimizer_after_clipping(scope: Scope, trainer: pl.Trainer) -> bool:
     return True
 
 
-def _zero_grad_through_torch_optimizers(trainer: pl.Trainer) -> None:
-    """Send `zero_grad` called on Lightning's optimizer wrappers (`self.optimizers()` under manual optimization)
-    to the torch optimizers' own (wrapped on these instances; undone at train end). A `LightningOptimizer`'s
-    class subclasses the torch optimizer's, so its `zero_grad` is that class's method, run on the wrapper: the
-    scope's wrapper on the torch optimizer instance, where a step the optimizer skipped ends
-    (`end_windows_at_zero_grad`), was never reached."""
-    for wrapper in _lightning_optimizers(trainer):
-        wrapper.zero_grad = _torch_optimizers_zero_grad(wrapper)
-
-
-def _torch_optimizers_zero_grad(wrapper: Any) -> Callable[..., Any]:
-    torch_optimizer = wrapper.optimizer
-
-    @functools.wraps(wrapper.zero_grad)
-    def zero_grad(*args: Any, **kwargs: Any) -> Any:
-        return torch_optimizer.zero_grad(*args, **kwargs)
-
-    zero_grad.pytscope_zero_grad = True  # type: ignore[attr-defined]
-    return zero_grad
-
-
-def _lightning_optimizers(trainer: pl.Trainer) -> list[Any]:
-    return list(getattr(trainer.strategy, "_lightning_optimizers", ()))
-
-
 def _end_steps_the_scaler_skips(scope: Scope, trainer: pl.Trainer) -> None:
     """End the step where the precision plugin's GradScaler steps (wrapped on this instance; undone at train
     end), also when it skips the optimizer's step on inf or NaN gradients: Lightning's `global_step` counts
-    that step, and so does the core where `zero_grad` follows the backward. Lightning's automatic
-    optimization clears gradients too late for that, in the next batch's closure, after its forward."""
+    that step, and so does the core where `zero_grad` follows the backward. Lightning clears gradients too
+    late for that (automatic optimization: in the next batch's closure, after its forward) or through its
+    optimizer wrapper (manual: `self.optimizers()`'s `zero_grad`, which is not the torch optimizer's). A
+    batch whose optimizer step the module itself leaves out is no step of Lightning's: it merges into the
+    next, as `global_step` counts."""
     scaler = _scaler(trainer)
     if scaler is None:
         return
@@ -476,8 +453,6 @@ def _unhook_trainer(trainer: pl.Trainer) -> None:
         untime_methods(owner, names)
     restore_method(trainer.strategy.precision_plugin, "_after_closure", "pytscope_optimizer")
     restore_method(trainer.strategy, "training_step", "pytscope_step")
-    for wrapper in _lightning_optimizers(trainer):
-        restore_method(wrapper, "zero_grad", "pytscope_zero_grad")
     scaler = _scaler(trainer)
     if scaler is not None:
         restore_method(scaler, "step", "pytscope_scaler")

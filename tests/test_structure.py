@@ -41,9 +41,7 @@ FOREIGN_PRIVATE = {
     # where Lightning's closure ends, after on_before_optimizer_step and gradient clipping: the optimizer
     # phase begins there (callback.py). Read by name, with getattr: the epoch loop's
     # `_broadcast_sigterm_tensor` (a collective of every batch, timed as one), Accelerate's `_models` (the
-    # models prepare returned) and `_custom_objects` (what save_state stores), the strategy's
-    # `_lightning_optimizers` (the wrappers `self.optimizers()` returns, whose `zero_grad` never reaches the
-    # torch optimizer's instance)
+    # models prepare returned) and `_custom_objects` (what save_state stores)
     "plugin._after_closure",
     # torch's Join keeps its joinables' hooks there, with no public way to add one to a Join the user made:
     # the scope's join hook runs after DDP's for the duration of one join (joins.py)
