@@ -376,51 +376,43 @@ def _pause_before(scope: Scope, owner: Any, name: str) -> None:
 
 def _mark_optimizer_after_clipping(scope: Scope, trainer: pl.Trainer) -> bool:
     """Begin the optimizer phase where the closure ends, after `on_before_optimizer_step` and the gradient
-    clipping Lightning runs after it (the precision plugin's `_after_closure`, wrapped on this instance; undone
-    at train end), so that clipping is `other`, as in a plain loop. False on a Lightning without it."""
+    clipping Lightning runs after it (the precision plugin's `_after_closure`), so that clipping is `other`,
+    as in a plain loop. False on a Lightning without it."""
     plugin = trainer.strategy.precision_plugin
-    after_closure = getattr(plugin, "_after_closure", None)
-    if not callable(after_closure):
+    if not callable(getattr(plugin, "_after_closure", None)):
         return False
-
-    @functools.wraps(after_closure)
-    def then_optimizer(*args: Any, **kwargs: Any) -> Any:
-        result = after_closure(*args, **kwargs)
-        try:
-            scope.hooks.optimizer_begin()
-        except Exception as exc:
-            scope.fail(exc)
-        return result
-
-    then_optimizer.pytscope_optimizer = True  # type: ignore[attr-defined]
-    plugin._after_closure = then_optimizer
+    _call_after(scope, plugin, "_after_closure", scope.hooks.optimizer_begin, "pytscope_optimizer")
     return True
 
 
 def _end_steps_the_scaler_skips(scope: Scope, trainer: pl.Trainer) -> None:
-    """End the step where the precision plugin's GradScaler steps (wrapped on this instance; undone at train
-    end), also when it skips the optimizer's step on inf or NaN gradients: Lightning's `global_step` counts
-    that step, and so does the core where `zero_grad` follows the backward. Lightning clears gradients too
-    late for that (automatic optimization: in the next batch's closure, after its forward) or through its
-    optimizer wrapper (manual: `self.optimizers()`'s `zero_grad`, which is not the torch optimizer's). A
-    batch whose optimizer step the module itself leaves out is no step of Lightning's: it merges into the
-    next, as `global_step` counts."""
+    """End the step where the precision plugin's GradScaler steps, also when it skips the optimizer's step on
+    inf or NaN gradients: Lightning's `global_step` counts that step, and so does the core where `zero_grad`
+    follows the backward. Lightning clears gradients too late for that (automatic optimization: in the next
+    batch's closure, after its forward) or through its optimizer wrapper (manual: `self.optimizers()`'s
+    `zero_grad`, which is not the torch optimizer's). A batch whose optimizer step the module itself leaves
+    out is no step of Lightning's: it merges into the next, as `global_step` counts."""
     scaler = _scaler(trainer)
-    if scaler is None:
-        return
-    step = scaler.step
+    if scaler is not None:
+        _call_after(scope, scaler, "step", scope.recorder.gradients_cleared, "pytscope_scaler")
 
-    @functools.wraps(step)
-    def then_step_ends(*args: Any, **kwargs: Any) -> Any:
-        result = step(*args, **kwargs)
+
+def _call_after(scope: Scope, owner: Any, name: str, then: Callable[[], None], marker: str) -> None:
+    """Wrap `owner.name` on the instance so that `then()` runs after each call (an error in it disables the
+    scope); undone at train end (`restore_method` with `marker`)."""
+    method = getattr(owner, name)
+
+    @functools.wraps(method)
+    def then_too(*args: Any, **kwargs: Any) -> Any:
+        result = method(*args, **kwargs)
         try:
-            scope.recorder.gradients_cleared()
+            then()
         except Exception as exc:
             scope.fail(exc)
         return result
 
-    then_step_ends.pytscope_scaler = True  # type: ignore[attr-defined]
-    scaler.step = then_step_ends
+    setattr(then_too, marker, True)
+    setattr(owner, name, then_too)
 
 
 def _scaler(trainer: pl.Trainer) -> Any:
