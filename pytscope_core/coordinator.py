@@ -99,6 +99,11 @@ class Coordinator:
     def distributed(self) -> bool:
         return self.gatherer is not None
 
+    @property
+    def syncs_per_step(self) -> int:
+        """Gradient syncs per optimizer step, as rank 0 last told every rank (1 before the first gather)."""
+        return self._syncs_per_step
+
     # -- when to gather -------------------------------------------------------------------------------
     def schedule(self, syncs_seen: bool) -> None:
         """At the first step boundary: meet on gradient syncs where DDP syncs (a safe place to meet even
@@ -198,7 +203,7 @@ class Coordinator:
                     outcome = store.get(outcome_key)
                 else:
                     time.sleep(FINISH_POLL_S)
-                    why = give_up() if give_up is not None else None
+                    why = self._peer_disabled(store) or (give_up() if give_up is not None else None)
             if outcome is None:
                 outcome = store.compare_set(outcome_key, "", _GAVE_UP)
             if outcome != _ALL and why is not None:
@@ -209,6 +214,12 @@ class Coordinator:
         if missing:
             return f"ranks {missing} never reached finish(); their last steps are missing"
         return "another rank stopped waiting at finish() before this one arrived: no final gather"
+
+    def _peer_disabled(self, store: Any) -> str | None:
+        """Why not to wait at finish for a rank whose scope disabled itself: it never comes."""
+        if not store.check([self.disabled_key]):
+            return None
+        return f"rank {store.get(self.disabled_key).decode()} disabled its scope: no final gather"
 
     def destroy(self) -> None:
         """Tear the scope's group down. After a final gather every rank took part in, the ranks meet once more

@@ -65,10 +65,17 @@ class Finding:
 
 def with_predicted(measured: list[Finding], predicted: Iterable[Finding]) -> list[Finding]:
     """The rules' findings and those an integration made before the run (`predicted`), less any predicted one
-    a measured finding of the same code and ranks replaces (DATA.UNEVEN_SHARDS: predicted at start from the
-    loaders' lengths, measured once a rank ran out of batches inside a join)."""
-    measured_keys = {f.key for f in measured}
-    return measured + [f for f in predicted if f.key not in measured_keys]
+    that measured findings of the same code replace: the same one, or ones for all of its ranks between them
+    (DATA.UNEVEN_SHARDS: predicted at start from the loaders' lengths, measured for each rank that ran out of
+    batches inside a join)."""
+    keys, ranks = {f.key for f in measured}, dict[str, set[int]]()
+    for f in measured:
+        ranks.setdefault(f.code, set()).update(f.ranks)
+    return measured + [
+        f
+        for f in predicted
+        if f.key not in keys and not (f.ranks and set(f.ranks) <= ranks.get(f.code, set()))
+    ]
 
 
 def format_ranks(ranks: Iterable[int], limit: int = 8) -> str:

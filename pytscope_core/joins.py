@@ -46,6 +46,7 @@ class JoinFollower:
         self.thread = 0  # the training thread: the one that installed it (watch())
         self.joined_at: int | None = None  # while out of batches inside a join: this rank's last step
         self._status = ""  # what the heartbeats said before the join
+        self._syncs_per_step = 1  # as this rank's own steps synced, before the join
 
     def install(self) -> None:
         join_class = _join_class()
@@ -94,23 +95,36 @@ class JoinFollower:
                 join._join_hooks.remove(hook)
 
     def _before(self, join: Any) -> Any:
-        """Close the open step and meet the gather due at it; add the scope's join hook after DDP's."""
-        rec = self.scope.recorder
-        rec.close()
-        self._gather_if_due()
+        """Close the open step and meet the gather due at it (a rank that never stepped has none: the others'
+        first step boundary schedules, and gathers not); add the scope's join hook after DDP's."""
         hook = _shadow_hook(self, self.ddp_hook_of(join).ddp)
+        rec = self.scope.recorder
+        rec.close()  # (an unstepped step's syncs are counted: the others' steps go on from them)
+        self._syncs_per_step = max(1, rec.grad_syncs // rec.steps_done) if rec.steps_done else 1
+        if self.scope.coordinator.scheduled and self._at_their_step_end():
+            self._gather_if_due()
         join._join_hooks.append(hook)
         return hook
 
     def shadowed(self, synced: bool) -> None:
-        """One iteration of the others, shadowed inside the join (called by the scope's join hook)."""
+        """One iteration of the others, shadowed inside the join (called by the scope's join hook): where it
+        ends one of their steps (`_at_their_step_end`), the gather due there."""
         if self.joined_at is None:
-            self.joined_at = self.scope.step_label()
+            rec = self.scope.recorder  # (its last step's number; one before the first, where it had none)
+            self.joined_at = rec.last_label if rec.last_label is not None else rec.step_label(rec.steps_done)
             if self.scope.session is not None:
                 self._status = self.scope.session.waiting_in(JOINED)
         if synced:
             self.scope.recorder.grad_syncs += 1
-        self._gather_if_due()
+            if self._at_their_step_end():
+                self._gather_if_due()
+
+    def _at_their_step_end(self) -> bool:
+        """Whether the others' gradient syncs now end one of their steps, where they check for a gather: every
+        sync, or every k-th where each step syncs k times (accumulation without no_sync(): as rank 0 told at
+        the last gather, or as this rank's own steps did, where no gather told it yet)."""
+        per_step = max(self._syncs_per_step, self.scope.coordinator.syncs_per_step)
+        return self.scope.recorder.grad_syncs % per_step == 0
 
     def _gather_if_due(self) -> None:
         rec = self.scope.recorder
@@ -131,6 +145,7 @@ class JoinFollower:
         if not every:
             return
         rec.steps_done, rec.grad_syncs, rec.micro_batches = (max(r[i] for r in every) for i in range(3))
+        rec.last_label = rec.step_label(rec.steps_done)  # (a later join's last step is numbered from here)
         live = scope.session.live  # (rank 0)
         for rank, r in enumerate(every):
             if r[3] >= 0 and live is not None:

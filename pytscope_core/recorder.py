@@ -53,11 +53,9 @@ class ClosedStep(NamedTuple):
 
 
 class StepRecorder:
-    """Collects one rank's steps on the training thread (autograd threads mark too, through list.append).
-
-    Another thread (the hang watchdog) may only read through `progress()` and `pending_rows()`, which never
-    mutate anything. `stop()` makes every later call a no-op, so a disabled scope holds constant memory.
-    """
+    """Collects one rank's steps on the training thread (autograd threads mark too, through list.append). Another
+    thread (the hang watchdog) may only read through `progress()` and `pending_rows()`, which never mutate
+    anything. `stop()` makes every later call a no-op, so a disabled scope holds constant memory."""
 
     def __init__(
         self,
@@ -297,10 +295,13 @@ class StepRecorder:
         return self._as_closed(self.steps_done + 1, [*marks[:n], _STEP_END], [*stamps[:n], stamps[n - 1]])
 
     def close(self) -> None:
-        """End of training: close the open step at its last mark if an optimizer step happened in it (what
-        came after, such as evaluation after the loop's `break`, is not the step's), else drop it."""
+        """End of training: close the open step at its last mark if an optimizer step happened in it (not what
+        came after, as evaluation after a `break`), else drop it but count its gradient syncs and micro-batches."""
         if self._stepped:
             self._close_step(at_last_mark=True)
+        elif self.in_step:
+            self.grad_syncs += self._step_syncs
+            self.micro_batches += self._step_micro
         self.in_step = False
         self.wants_fingerprint = False
 

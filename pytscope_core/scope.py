@@ -81,6 +81,7 @@ class Scope:
         self.summary: Any = None  # end-of-run Summary (rank 0)
         self.replicated_model: Any = None  # the data-parallel model whose replicas are compared at gathers
         self.joins = JoinFollower(self)  # a rank out of batches inside torch's Join still meets the gathers
+        self.joins.install()  # (now: a `with` statement reads `__exit__` as it enters, maybe before watch())
         self.parallelism = UNWATCHED  # what the watched model is wrapped in (note_parallelism)
         self._clock = clock
         self._started = False
@@ -138,7 +139,6 @@ class Scope:
                 self.hooks.watch_model(model)
                 if self.hooks.is_ddp:
                     self.replicated_model = model
-                    self.joins.install()  # (now: a `with` statement reads `__exit__` as it enters)
             for opt in optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]:
                 if opt is not None and all(o is not opt for o in self._watched):  # (as a model)
                     self._watched.append(opt)

@@ -132,7 +132,13 @@ def classify_hang(
     allreduce = _waited_in(beats, waiting)
     if waiting and missing:
         syncs = max(int(beats[r]["syncs"]) for r in waiting) + 1
-        step = max(_label(beats[r]) for r in waiting)
+        joined = all(beats[r]["phase"] == JOINED for r in waiting)  # (their step stopped as they ran out)
+        at = (
+            [r for r in missing if r in beats]
+            if joined
+            else [r for r in waiting if beats[r]["phase"] != JOINED]
+        )
+        step = max(_label(beats[r]) for r in at or waiting)
         waited = min(idle[r] for r in waiting)
         if allreduce == LOOP_WAIT and all(_working(beats.get(r), step, timeout_s, waited) for r in missing):
             return _kept_waiting(beats, waiting, missing, step, timeout_s, idle, place)
@@ -145,9 +151,16 @@ def classify_hang(
             f"rank{'s' if len(missing) > 1 else ''} {format_ranks(missing)}{_on_hosts(missing, place)} never "
             f"reached {which}"
         )
+        how = (
+            "inside join(), out of batches, for"
+            if joined
+            else "in backward for"
+            if "all-reduce" in allreduce
+            else "in"
+        )
         detail = (
             f"At step {step}, rank{'s' if len(waiting) > 1 else ''} {format_ranks(waiting)} "
-            f"{'have' if len(waiting) > 1 else 'has'} been waiting in {'backward for ' * allreduce.endswith('all-reduce')}{allreduce} for "
+            f"{'have' if len(waiting) > 1 else 'has'} been waiting {how} {allreduce} for "
             f"{min(idle[r] for r in waiting):.0f} s; " + _whereabouts(missing, beats, place) + "."
         )
         ranks = missing

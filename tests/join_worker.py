@@ -1,7 +1,9 @@
 """A real 2-rank gloo DDP job with uneven inputs under DDP's `join()`: rank 1 has fewer batches per epoch.
 
 Options: `batches` (per rank, a list), `epochs`, `interval`, `loader` (watch a DataLoader, or iterate a plain
-list), `gather_timeout`. Each rank writes what its scope said into `run_dir/rank<N>.json`.
+list), `gather_timeout`, `accumulate` (micro-batches per optimizer step, each syncing: no `no_sync()`),
+`watch_inside` (watch the model inside the join's `with`). Each rank writes what its scope said into
+`run_dir/rank<N>.json`.
 """
 
 from __future__ import annotations
@@ -39,15 +41,20 @@ def _main(rank: int, port: int, o: dict[str, Any]) -> None:
     gen = torch.Generator().manual_seed(rank)
     data = [torch.randn(64, 32, generator=gen) for _ in range(o["batches"][rank])]
     batches: Any = torch.utils.data.DataLoader(data, batch_size=None) if o["loader"] else data
-    scope.watch(ddp, opt, batches if o["loader"] else None)
+    if not o.get("watch_inside"):
+        scope.watch(ddp, opt, batches if o["loader"] else None)
+    accumulate = o.get("accumulate", 1)
     for _ in range(o["epochs"]):
         with ddp.join():
-            for x in batches:
+            if o.get("watch_inside"):
+                scope.watch(ddp, opt, batches if o["loader"] else None)
+            for i, x in enumerate(batches, 1):
                 loss = F.cross_entropy(ddp(x), x[:, :4].argmax(1))
                 loss.backward()
-                opt.step()
-                opt.zero_grad()
-                scope.log(loss=loss)
+                if i % accumulate == 0:
+                    opt.step()
+                    opt.zero_grad()
+                    scope.log(loss=loss)
     said = {"errors": scope.errors, "steps_done": scope.recorder.steps_done}
     scope.finish()
     Path(o["run_dir"], f"rank{rank}.json").write_text(json.dumps(said))

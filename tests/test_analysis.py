@@ -726,6 +726,17 @@ def test_a_rank_that_waited_inside_join_is_no_desync_and_its_wait_is_measured():
     assert CountsCheck(7, (35, 30), (35, 35), (35, 30)).differs and not ctx.counts_checks[0].differs
 
 
+def test_a_predicted_finding_gives_way_to_measured_ones_that_cover_its_ranks():
+    from pytscope_core.findings import Finding, with_predicted
+
+    def uneven(*ranks: int) -> Finding:
+        return Finding("DATA.UNEVEN_SHARDS", Severity.MED, "t", "d", "r", ranks=ranks)
+
+    predicted = [uneven(1, 2), Finding("DATA.UNEVEN_SHARDS", Severity.HIGH, "t", "d", "r", ranks=(3,))]
+    assert with_predicted([uneven(1), uneven(2)], predicted) == [uneven(1), uneven(2), predicted[1]]
+    assert with_predicted([uneven(1)], predicted) == [uneven(1), *predicted]  # (rank 2 not measured)
+
+
 def test_an_extra_optimizer_step_on_one_rank_is_a_desync_at_its_step():
     # Rank 1 called optimizer.step() twice in step 37: both calls fall in one step (the loop top closes it),
     # so no count of steps or syncs differs, only the optimizer steps in that step. Two optimizers stepping

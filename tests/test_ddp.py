@@ -365,3 +365,31 @@ def test_ranks_joining_every_epoch_number_their_steps_alike_after_each_join(tmp_
     assert not {"DIST.DESYNC", "DIST.REPLICA_DRIFT"} & codes(s, ("HIGH", "MED", "LOW"))
     (uneven,) = [f for f in s["findings"] if f["code"] == "DATA.UNEVEN_SHARDS"]
     assert uneven["ranks"] == [1] and uneven["evidence"]["steps_missed"] == 12
+
+
+@pytest.mark.parametrize(
+    "uneven, missed",
+    [
+        # A rank with no batch at all: it never stepped, so its first step boundary is inside the join.
+        (dict(batches=[20, 0]), 20),
+        # Two micro-batches per step, each syncing (no no_sync()): the joined rank must meet the gathers at
+        # the others' step ends, every second sync, before any gather told it how many syncs a step makes.
+        (dict(batches=[40, 4], accumulate=2), 18),
+        # ...and its last window half done: that micro-batch's sync counts, or it is one sync behind.
+        (dict(batches=[40, 13], accumulate=2), 14),
+        # The model watched inside `with ddp.join():`, which had read Join.__exit__ as it entered.
+        (dict(batches=[40, 24], watch_inside=True), 16),
+    ],
+    ids=["no_batch", "accumulation", "half_window", "watched_inside"],
+)
+def test_the_join_is_followed_from_any_start(tmp_path, uneven, missed):
+    join_worker.run(dict(JOIN_RUN, run_dir=str(tmp_path), **uneven))
+    said = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [s["errors"] for s in said] == [[], []]
+    assert said[0]["steps_done"] == said[1]["steps_done"]
+    s = report(tmp_path)
+    assert not {"DIST.DESYNC", "DIST.REPLICA_DRIFT"} & codes(s, ("HIGH", "MED", "LOW"))
+    (uneven_found,) = [
+        f for f in s["findings"] if f["code"] == "DATA.UNEVEN_SHARDS"
+    ]  # (the predicted one goes)
+    assert uneven_found["ranks"] == [1] and uneven_found["evidence"]["steps_missed"] == missed, uneven_found

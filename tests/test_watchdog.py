@@ -126,8 +126,11 @@ def test_ranks_left_waiting_in_a_collective_of_the_loops_own_name_the_rank_they_
 def test_a_rank_out_of_batches_inside_join_waits_for_the_others_and_is_not_the_one_named():
     # Rank 1 shadows the others' collectives inside torch's Join; rank 0, still training, is stuck in its
     # forward: rank 0 never reached the collective rank 1 waits in.
-    f = classify_hang({0: _beat("forward", step=30), 1: _beat(watchdog.JOINED, step=24)}, 2, 300.0)
-    assert f is not None and f.ranks == (0,), f
+    joined = {**_beat(watchdog.JOINED, step=24), "syncs": 30}  # (its syncs go on: it shadows the others')
+    f = classify_hang({0: _beat("forward", step=30), 1: joined}, 2, 300.0)
+    assert f is not None and f.ranks == (0,) and f.steps == (31,), f
+    assert f.title == "rank 0 never reached the 31st gradient all-reduce", f.title
+    assert "rank 1 has been waiting inside join(), out of batches, for the gradient all-reduce" in f.detail
 
 
 def test_after_a_collective_of_the_loops_a_rank_is_placed_where_it_was_before_it():

@@ -471,8 +471,14 @@ def join_waits(
     total = float(np.nansum(wall))
     column = {int(r): i for i, r in enumerate(arrays.ranks.tolist())}
     out = []
-    for rank in sorted({r for r, _ in joins if r in column}):
-        missed = inside[:, column[rank]]
+    for rank in sorted(
+        {r for r, _ in joins}
+    ):  # (a rank with no batch at all has no record: every step missed)
+        missed = (
+            inside[:, column[rank]]
+            if rank in column
+            else arrays.steps > min(j for r, j in joins if r == rank)
+        )
         wait = float(np.nansum(wall[missed])) / 1e3
         out.append(
             JoinWait(

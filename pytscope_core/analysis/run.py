@@ -95,6 +95,9 @@ def launch_last_steps(arrays: RunArrays) -> dict[int, int]:
     return out
 
 
+JOINED_EARLY = "it ran out of batches and waited inside join() while the others trained on (uneven inputs)"
+
+
 def rank_ends(arrays: RunArrays, ctx: RunContext) -> tuple[RankEnd, ...]:
     """Which ranks' records end early, where, and the likeliest reason: what the rank itself said when it
     wrote its own rows (a hang, SIGTERM, an exception), else the run's hang report, a disabled scope, or a
@@ -118,9 +121,7 @@ def rank_ends(arrays: RunArrays, ctx: RunContext) -> tuple[RankEnd, ...]:
         if rank in notes:
             reason = notes[rank]
         elif (rank, last) in ctx.joins:
-            reason = (
-                "it ran out of batches and waited inside join() while the others trained on (uneven inputs)"
-            )
+            reason = JOINED_EARLY
         elif later:  # an elastic restart with fewer ranks
             reason = (
                 f"the job resumed from step {later[0].resumed_from_step} with {later[0].world_size} rank(s)"
@@ -138,7 +139,12 @@ def rank_ends(arrays: RunArrays, ctx: RunContext) -> tuple[RankEnd, ...]:
         RankEnd(
             r,
             None,
-            dict(ctx.rank_notes).get(r, "none gathered nor written by it (killed before its first gather?)"),
+            dict(ctx.rank_notes).get(
+                r,
+                JOINED_EARLY
+                if any(rank == r for rank, _ in ctx.joins)
+                else "none gathered nor written by it (killed before its first gather?)",
+            ),
         )
         for r in sorted(set(range(ctx.world_size)) - set(arrays.ranks.tolist()))
     ]
