@@ -4,15 +4,15 @@
 A rank that runs out of batches first waits in `Join.__exit__`, where each iteration of its loop shadows one
 iteration of the ranks still training: the collectives of their forward and, where they sync, of their
 backward (DDP's join hook). Those ranks still gather every `interval` steps, so the joined rank must meet
-them there, or they wait `gather_timeout` for it and disable the scope. While a scope records, `Join.__exit__`
-is wrapped on the class (`JoinFollower`, put back when the last scope ends):
+them there, or they wait `gather_timeout` for it and disable the scope. From a scope's creation to its end,
+`Join.__exit__` is wrapped on the class (`JoinFollower`; a `with` statement reads it as it enters):
 
 - before the join's loop, every rank closes its open step (its next loop top never comes) and meets the
   gather due there, as at a loop top;
-- a join hook of the scope's, run after DDP's in each iteration, counts the gradient sync DDP shadowed and
-  meets the gather where the others' count reaches it. The others gather at their next loop top, before the
-  forward whose collectives the joined rank's next iteration waits in: so the joined rank gathers at the end
-  of this iteration, never at the start of the next (that would deadlock);
+- a join hook of the scope's, run after DDP's in each iteration, counts the gradient sync DDP shadowed and,
+  where that ends one of the others' steps, meets the gather due there. The others gather at their next loop
+  top, before the forward whose collectives the joined rank's next iteration waits in: so the joined rank
+  gathers at the end of this iteration, never at the start of the next (that would deadlock);
 - after the join, every rank takes the job's counts (the largest, in one collective), so steps are numbered
   alike again in the next epoch and the counts the ranks compare agree.
 
