@@ -203,7 +203,7 @@ class Coordinator:
                     outcome = store.get(outcome_key)
                 else:
                     time.sleep(FINISH_POLL_S)
-                    why = self._peer_disabled(store) or (give_up() if give_up is not None else None)
+                    why = self._peer_disabled() or (give_up() if give_up is not None else None)
             if outcome is None:
                 outcome = store.compare_set(outcome_key, "", _GAVE_UP)
             if outcome != _ALL and why is not None:
@@ -215,11 +215,13 @@ class Coordinator:
             return f"ranks {missing} never reached finish(); their last steps are missing"
         return "another rank stopped waiting at finish() before this one arrived: no final gather"
 
-    def _peer_disabled(self, store: Any) -> str | None:
+    def _peer_disabled(self) -> str | None:
         """Why not to wait at finish for a rank whose scope disabled itself: it never comes."""
-        if not store.check([self.disabled_key]):
-            return None
-        return f"rank {store.get(self.disabled_key).decode()} disabled its scope: no final gather"
+        try:
+            self.check_peers_enabled()
+        except PeerDisabled as exc:
+            return f"{exc}: no final gather"
+        return None
 
     def destroy(self) -> None:
         """Tear the scope's group down. After a final gather every rank took part in, the ranks meet once more

@@ -127,10 +127,9 @@ class JoinFollower:
         return self.scope.recorder.grad_syncs % per_step == 0
 
     def _gather_if_due(self) -> None:
-        rec = self.scope.recorder
-        if rec.on_step_closed is not None and self.scope.enabled:
-            if (rec.grad_syncs if rec.notify_on_syncs else rec.steps_done) >= rec.notify_at:
-                rec.on_step_closed()  # (the scope's check at a step boundary: schedules, or gathers if due)
+        on_step_closed = self.scope.recorder.on_step_closed
+        if on_step_closed is not None:
+            on_step_closed()  # (the scope's check at a step boundary: schedules, or gathers if due)
 
     def _after(self) -> None:
         """Every rank takes the job's counts (the most steps, syncs and micro-batches any rank has), and rank 0
