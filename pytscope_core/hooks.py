@@ -15,13 +15,14 @@ compiled after `watch`) steps aside while traced: it never adds a graph break or
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from .backward import BackwardTimer
 from .batches import batch_tensor, fingerprint
-from .collectives import time_buffer_sync
+from .collectives import restore_method, time_buffer_sync
 from .compiled import CallWrappers, compiled_in_place, is_compiling_function, outside_compiled, uncompiled
 from .flops import FlopEstimate
 from .fsdp import FSDPCommTimer
@@ -71,17 +72,9 @@ def end_windows_at_zero_grad(optimizer: Any, hooks: TorchHooks) -> Callable[[], 
             hooks.backward.grads_cleared()
 
     cleared.__wrapped__ = zero_grad  # type: ignore[attr-defined]
-    before = optimizer.__dict__.get("zero_grad")
+    cleared.pytscope_zero_grad = True  # type: ignore[attr-defined]
     optimizer.zero_grad = cleared
-
-    def undo() -> None:
-        if optimizer.__dict__.get("zero_grad") is cleared:  # (else another tool wrapped ours since: left)
-            if before is None:
-                del optimizer.__dict__["zero_grad"]
-            else:
-                optimizer.zero_grad = before
-
-    return undo
+    return functools.partial(restore_method, optimizer, "zero_grad", "pytscope_zero_grad")
 
 
 def unwrap_optimizer(optimizer: Any) -> Any:
