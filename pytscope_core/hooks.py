@@ -1,6 +1,7 @@
 """Torch hooks that feed the recorder: model forward, the autograd engine, optimizer steps, the data loader.
 
-Nothing global is patched, and little is registered per step: a pre-hook on the forward's output where it
+Little is patched globally (`GradScaler.step`, while an optimizer is watched: the user's scaler is not the
+scope's to know) and little is registered per step: a pre-hook on the forward's output where it
 earns its cost (`backward.BackwardTimer.forward_done`), and under FSDP2, where the waits sit behind hooks FSDP
 itself registers per step, those (`fsdp.py`). The model instance's `forward` is wrapped
 (module hooks would take every call off nn.Module's fast path); backward and exposed communication are
@@ -75,6 +76,55 @@ def end_windows_at_zero_grad(optimizer: Any, hooks: TorchHooks) -> Callable[[], 
     cleared.pytscope_zero_grad = True  # type: ignore[attr-defined]
     optimizer.zero_grad = cleared
     return functools.partial(restore_method, optimizer, "zero_grad", "pytscope_zero_grad")
+
+
+_SCALED: list[tuple[Any, TorchHooks]] = []  # (torch optimizer, the hooks watching it) for `GradScaler.step`
+_SCALER_MARKER = "pytscope_scaler"
+
+
+def end_steps_the_scaler_skips(optimizer: Any, hooks: TorchHooks) -> Callable[[], None]:
+    """End the step where a GradScaler steps `optimizer`, also when it skips the optimizer's step on inf or
+    NaN gradients (`StepRecorder.gradients_cleared`). Otherwise the skipped step merges into the next: PyTorch's
+    AMP recipe clears gradients first thing in the next iteration, after its loop top (the watched loader's
+    fetch), and Lightning in the next batch's closure or through its own optimizer wrapper. `GradScaler.step`
+    is wrapped on the class while any optimizer is watched (Accelerate's and Lightning's scalers step
+    through it too); return the undo."""
+    scaler_class = _scaler_class()
+    if scaler_class is None:
+        return lambda: None
+    if not _SCALED:
+        scaler_class.step = _ending_skipped_steps(scaler_class.step)
+    entry = (optimizer, hooks)
+    _SCALED.append(entry)
+
+    def undo() -> None:
+        _SCALED[:] = [e for e in _SCALED if e is not entry]
+        ours = scaler_class.__dict__.get("step")
+        if not _SCALED and getattr(ours, _SCALER_MARKER, False):  # (unless another tool wrapped it since)
+            scaler_class.step = ours.__wrapped__
+
+    return undo
+
+
+def _ending_skipped_steps(step: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(step)
+    def scaler_step(scaler: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        result = step(scaler, optimizer, *args, **kwargs)
+        for watched, hooks in _SCALED:
+            if watched is optimizer and not hooks.optimizing:
+                hooks.recorder.gradients_cleared()  # (a no-op after a step the optimizer took)
+        return result
+
+    setattr(scaler_step, _SCALER_MARKER, True)
+    return scaler_step
+
+
+def _scaler_class() -> Any:
+    """torch's GradScaler (`torch.amp`'s from torch 2.3; CUDA's, and FSDP's sharded one, derive from it)."""
+    import torch
+
+    scaler = getattr(torch.amp, "GradScaler", None) or getattr(torch.cuda.amp, "GradScaler", None)
+    return scaler if callable(getattr(scaler, "step", None)) else None
 
 
 def unwrap_optimizer(optimizer: Any) -> Any:
@@ -172,7 +222,7 @@ class TorchHooks:
         if pre_hook:
             self._handles.append(inner.register_step_pre_hook(outside_compiled(self._optimizer_pre)))
         self._handles.append(inner.register_step_post_hook(outside_compiled(self._optimizer_post)))
-        self._undo.append(end_windows_at_zero_grad(inner, self))
+        self._undo += (end_windows_at_zero_grad(inner, self), end_steps_the_scaler_skips(inner, self))
 
     def watch_loader(self, loader: Any) -> None:
         undo = watch_loader(loader, self)

@@ -139,7 +139,6 @@ class ScopeCallback(Callback):
         _mark_training_step(scope, trainer, opens_step=self._fetch_in_step and self._fetch_timed)
         _pause_where_hooks_come_late(scope, trainer)
         self._optimizer_after_clipping = _mark_optimizer_after_clipping(scope, trainer)
-        _end_steps_the_scaler_skips(scope, trainer)
         for owner, names in _collectives(trainer):
             time_methods(owner, names, scope.hooks, scope.fail)
         self._check_shards(scope, trainer)
@@ -385,18 +384,6 @@ def _mark_optimizer_after_clipping(scope: Scope, trainer: pl.Trainer) -> bool:
     return True
 
 
-def _end_steps_the_scaler_skips(scope: Scope, trainer: pl.Trainer) -> None:
-    """End the step where the precision plugin's GradScaler steps, also when it skips the optimizer's step on
-    inf or NaN gradients: Lightning's `global_step` counts that step, and so does the core where `zero_grad`
-    follows the backward. Lightning clears gradients too late for that (automatic optimization: in the next
-    batch's closure, after its forward) or through its optimizer wrapper (manual: `self.optimizers()`'s
-    `zero_grad`, which is not the torch optimizer's). A batch whose optimizer step the module itself leaves
-    out is no step of Lightning's: it merges into the next, as `global_step` counts."""
-    scaler = _scaler(trainer)
-    if scaler is not None:
-        _call_after(scope, scaler, "step", scope.recorder.gradients_cleared, "pytscope_scaler")
-
-
 def _call_after(scope: Scope, owner: Any, name: str, then: Callable[[], None], marker: str) -> None:
     """Wrap `owner.name` on the instance so that `then()` runs after each call (an error in it disables the
     scope); undone at train end (`restore_method` with `marker`)."""
@@ -413,11 +400,6 @@ def _call_after(scope: Scope, owner: Any, name: str, then: Callable[[], None], m
 
     setattr(then_too, marker, True)
     setattr(owner, name, then_too)
-
-
-def _scaler(trainer: pl.Trainer) -> Any:
-    scaler = getattr(trainer.strategy.precision_plugin, "scaler", None)
-    return scaler if callable(getattr(scaler, "step", None)) else None
 
 
 def _collectives(trainer: pl.Trainer) -> tuple[tuple[Any, tuple[str, ...]], ...]:
@@ -445,9 +427,6 @@ def _unhook_trainer(trainer: pl.Trainer) -> None:
         untime_methods(owner, names)
     restore_method(trainer.strategy.precision_plugin, "_after_closure", "pytscope_optimizer")
     restore_method(trainer.strategy, "training_step", "pytscope_step")
-    scaler = _scaler(trainer)
-    if scaler is not None:
-        restore_method(scaler, "step", "pytscope_scaler")
 
 
 def _end_progress_bar(trainer: pl.Trainer) -> None:

@@ -8,6 +8,7 @@ mid-run and resumed from `accelerator.save_state`, gradient accumulation, misuse
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import subprocess
@@ -287,6 +288,35 @@ def test_live_metrics_reach_accelerate_trackers(tmp_path: Path, monkeypatch: pyt
     # MFU through the adapter: in every live metrics record and in the summary.
     assert all(values["pytscope/mfu"] > 0 for values, _ in tracker.logged)
     assert summary.efficiency.mfu == pytest.approx(3e5 / (summary.timing.mean_ms / 1e3) / 1e9)
+
+
+def test_a_step_the_fp16_scaler_skipped_is_a_step_of_its_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # `optimizer.zero_grad()` first in each iteration, as in Accelerate's examples: the step the scaler skipped
+    # merged into the next (48 batches, 36 steps). Accelerate makes no scaler on CPU: given the one a GPU's
+    # fp16 run has, which `AcceleratedOptimizer.step` steps through.
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "1")
+    import torch
+    from accelerate import Accelerator
+
+    from pytscope_accelerate import AccelerateScope
+
+    accelerator = Accelerator()
+    accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=1.0)
+    model, optimizer, loader = prepared_regression(accelerator, steps=48, batch=4)
+    scope = AccelerateScope(accelerator, tmp_path / "run", interval=8, console=False, hang_timeout=None)
+    scope.watch(model, optimizer, loader)
+    for i, (xb, yb) in enumerate(loader):
+        optimizer.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(xb), yb) * (math.inf if i % 4 == 3 else 1.0)
+        accelerator.backward(loss)
+        optimizer.step()
+        assert accelerator.optimizer_step_was_skipped == (i % 4 == 3)
+    scope.finish()
+    arrays = load_run(tmp_path / "run").arrays
+    assert arrays.optimizer_steps[:, 0].tolist() == [0.0 if i % 4 == 3 else 1.0 for i in range(48)]
+    assert (arrays.micro_batches[:, 0] == 1).all()
 
 
 def test_stop_ends_the_scope_where_the_loop_caught_an_error(

@@ -1042,6 +1042,27 @@ def test_steps_the_optimizer_skipped_are_steps_and_a_loss_gone_nan_for_good_is_s
     assert "CONVERGENCE.NONFINITE" in {f.code for f in summary.findings}
 
 
+def test_a_step_the_scaler_skipped_is_one_in_the_order_of_the_amp_recipe(tmp_path):
+    # PyTorch's AMP recipe clears gradients first thing in each iteration: after the watched loader's fetch,
+    # the loop top, too late for zero_grad to end the step the scaler skipped. 24 batches merged into 18 steps.
+    model = torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1.0)
+    loader = DataLoader(TensorDataset(torch.randn(96, 8), torch.randn(96, 1)), batch_size=4)
+    scope = Scope(tmp_path, console=False, hang_timeout=None, interval=8).watch(model, opt, loader)
+    for i, (x, y) in enumerate(loader):
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y) * (math.inf if i % 4 == 3 else 1.0)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+    scope.finish()
+    arrays = load_run(tmp_path).arrays
+    assert arrays.optimizer_steps[:, 0].tolist() == [0.0 if i % 4 == 3 else 1.0 for i in range(24)]
+    assert (arrays.micro_batches[:, 0] == 1).all()
+    assert not hasattr(torch.amp.GradScaler.step, "pytscope_scaler")  # torch's own again
+
+
 def test_a_model_set_up_by_lightning_fabric_trains_and_is_timed_inside_its_wrapper(tmp_path):
     # Fabric's wrapper passes attributes set on it to the module inside: the forward wrapper set on it called
     # the wrapper, which called it, until RecursionError, at the first step of the user's training.
