@@ -32,6 +32,10 @@ MEMORY_EVERY = 8
 it costs a syscall or a stats dict."""
 
 
+def _any_nonfinite(values: list[Any]) -> bool:
+    return any(v is not None and not math.isfinite(v) for v in to_floats(values))
+
+
 def host_peak_rss() -> float:
     return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * _RSS_UNIT)
 
@@ -294,10 +298,13 @@ class StepRecorder:
             return None
         return self._as_closed(self.steps_done + 1, [*marks[:n], _STEP_END], [*stamps[:n], stamps[n - 1]])
 
-    def close(self) -> None:
+    def close(self, keep_nonfinite: bool = False) -> None:
         """End of training: close the open step at its last mark if an optimizer step happened in it (not what
-        came after, as evaluation after a `break`), else drop it but count its gradient syncs and micro-batches."""
-        if self._stepped:
+        came after, as evaluation after a `break`), else drop it but count its gradient syncs and micro-batches.
+        At the run's end (`keep_nonfinite`), an unstepped step with a non-finite loss logged closes too, as a
+        step the optimizer skipped: the batches a NaN guard skipped since the last step, the loss gone NaN for
+        good, which would otherwise never be reported."""
+        if self._stepped or (keep_nonfinite and self.in_step and _any_nonfinite(self._losses)):
             self._close_step(at_last_mark=True)
         elif self.in_step:
             self.grad_syncs += self._step_syncs

@@ -213,6 +213,8 @@ def render_convergence(summary: Summary) -> RenderableType:
                     else ""
                 )
                 if tail is not None
+                else f"; non-finite in the last {c.nonfinite_last_steps} step(s) ({c.nonfinite_steps} in all)"
+                if c.nonfinite_last_steps
                 else f"; finite again after it ({c.nonfinite_steps} non-finite step(s) in all)"
             )
         )

@@ -1187,9 +1187,34 @@ def test_one_nan_on_the_last_step_is_not_a_loss_that_stayed_non_finite():
     arrays = RunArrays.from_arrays(np.ones((200, 1, 6)), loss=np.where(np.isnan(loss), np.inf, loss))
     c = analyze(arrays, RunContext(world_size=1)).convergence
     assert c.trend.trend != "non-finite" and c.nonfinite_step == 200
+    (found,) = [
+        f for f in run_rules(analyze(arrays, RunContext(world_size=1))) if f.code == "CONVERGENCE.NONFINITE"
+    ]
+    # (It read "It was finite again after it": no step came after it.)
+    assert "The run's last 1 step(s) had a non-finite loss (1 in all): too few to tell" in found.detail
     loss[-3:] = np.inf  # three: it stayed
     arrays = RunArrays.from_arrays(np.ones((200, 1, 6)), loss=loss)
     assert analyze(arrays, RunContext(world_size=1)).convergence.trend.trend == "non-finite"
+
+
+def test_one_nan_on_the_last_step_after_which_the_optimizer_never_stepped_is_where_the_run_was_going():
+    # A NaN guard skipped every batch from step 200 on: they closed as one step without an optimizer step.
+    loss = np.linspace(3.0, 1.0, 200)
+    loss[-1] = np.inf
+    stepped = np.ones((200, 2))
+    stepped[-1] = 0.0
+    arrays = RunArrays.from_arrays(np.ones((200, 2, 6)), loss=loss, optimizer_steps=stepped)
+    a = analyze(arrays, RunContext(world_size=2))
+    assert a.convergence.trend.trend == "non-finite" and a.convergence.nonfinite_tail is not None
+    (found,) = [f for f in run_rules(a) if f.code == "CONVERGENCE.NONFINITE"]
+    assert "never recovered" in found.title
+    assert "(1 step(s) with a non-finite loss, and the optimizer never stepped again)" in found.detail
+    stepped[-1, 1] = 1.0  # one rank's optimizer stepped after it: one NaN the run ended on, as above
+    a = analyze(
+        RunArrays.from_arrays(np.ones((200, 2, 6)), loss=loss, optimizer_steps=stepped),
+        RunContext(world_size=2),
+    )
+    assert a.convergence.nonfinite_tail is None and a.convergence.nonfinite_last_steps == 1
 
 
 def _discounted(comm: list[list[float]], paused: list[list[float]]) -> tuple[np.ndarray, np.ndarray]:

@@ -1063,6 +1063,32 @@ def test_a_step_the_scaler_skipped_is_one_in_the_order_of_the_amp_recipe(tmp_pat
     assert not hasattr(torch.amp.GradScaler.step, "pytscope_scaler")  # torch's own again
 
 
+@pytest.mark.parametrize("clears", [False, True])
+def test_a_loss_gone_nan_for_good_behind_a_nan_guard_is_reported(tmp_path, clears):
+    # The loop skips every batch whose loss is not finite (`continue` before the backward): from batch 31 on
+    # the optimizer never stepped again, so the step never closed and was dropped at the end, its NaN losses
+    # with it: 30 steps, no CONVERGENCE.NONFINITE.
+    model = torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    loader = DataLoader(TensorDataset(torch.randn(160, 8), torch.randn(160, 1)), batch_size=4)
+    scope = Scope(tmp_path, console=False, hang_timeout=None, interval=8).watch(model, opt, loader)
+    for i, (x, y) in enumerate(loader):
+        loss = torch.nn.functional.mse_loss(model(x * (math.nan if i >= 30 else 1.0)), y)
+        scope.log(loss=loss)
+        if not torch.isfinite(loss):
+            if clears:
+                opt.zero_grad()
+            continue
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    scope.finish()
+    run = load_run(tmp_path)
+    assert run.arrays.optimizer_steps[:, 0].tolist() == [1.0] * 30 + [0.0]  # the skipped batches: one step
+    (found,) = [f for f in summarize(run.arrays, run.context).findings if f.code == "CONVERGENCE.NONFINITE"]
+    assert found.title == "The loss became non-finite at step 31 and never recovered", found.title
+
+
 def test_a_model_set_up_by_lightning_fabric_trains_and_is_timed_inside_its_wrapper(tmp_path):
     # Fabric's wrapper passes attributes set on it to the module inside: the forward wrapper set on it called
     # the wrapper, which called it, until RecursionError, at the first step of the user's training.

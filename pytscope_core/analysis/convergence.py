@@ -149,6 +149,7 @@ class Convergence:
     loss_before_nonfinite: float = math.nan  # the last finite loss before `nonfinite_step`, when recorded
     nonfinite_steps: int = 0  # steps in which some rank's loss was non-finite
     nonfinite_tail: NonfiniteTail | None = None  # where it stayed non-finite to the end (`nonfinite_tail`)
+    nonfinite_last_steps: int = 0  # the run's last steps with a non-finite loss, too few for a tail
 
 
 def loss_per_step(arrays: RunArrays) -> np.ndarray:
@@ -384,11 +385,13 @@ class NonfiniteTail:
     step: int
     steps: int  # the steps from there on with a non-finite loss
     ranks: tuple[int, ...]  # the ranks whose loss never became finite again; () where not known
+    stepped: bool = True  # some optimizer step came after `step` (`never_stepped_from`)
 
 
 NONFINITE_TAIL_MIN = 3
 """Non-finite steps at the end of a run before its loss reads as having stayed non-finite: one NaN on the last
-step, after finite ones, is a transient that the run ended on, not where it was going."""
+step, after finite ones, is a transient that the run ended on, not where it was going. Unless the optimizer
+never stepped again (`never_stepped_from`)."""
 
 
 def nonfinite_tail(nonfinite: np.ndarray, loss: np.ndarray) -> tuple[int, int] | None:
@@ -402,6 +405,15 @@ def nonfinite_tail(nonfinite: np.ndarray, loss: np.ndarray) -> tuple[int, int] |
     if after.size == 0:
         return None
     return last_finite + 1 + int(after[0]), int(after.size)
+
+
+def never_stepped_from(arrays: RunArrays, step: int) -> bool:
+    """No rank's optimizer stepped from `step` to the run's end: the weights the non-finite loss came from
+    never changed again (a NaN guard skipping every batch since, one step that closed at the end; a scaler
+    skipping every step), so the loss did not recover, however few steps that was."""
+    since = arrays.steps >= step
+    stepped = np.nan_to_num(np.asarray(arrays.optimizer_steps)[since])
+    return bool(since.any()) and not (stepped > 0).any()
 
 
 def never_finite_again(arrays: RunArrays, bad: np.ndarray, step: int) -> tuple[int, ...]:
@@ -448,9 +460,10 @@ def convergence(
     step, ranks = seen if seen is not None else first_nonfinite(arrays, bad)
     tail = None
     at = nonfinite_tail(nonfinite, per_step) if step is not None else None
-    if at is not None and at[1] >= NONFINITE_TAIL_MIN:
+    stepped = at is None or not never_stepped_from(arrays, int(steps[at[0]]))
+    if at is not None and (at[1] >= NONFINITE_TAIL_MIN or not stepped):
         tail_step = int(steps[at[0]])
-        tail = NonfiniteTail(tail_step, at[1], never_finite_again(arrays, bad, tail_step))
+        tail = NonfiniteTail(tail_step, at[1], never_finite_again(arrays, bad, tail_step), stepped)
         # What the loss did before it stayed non-finite is the course to judge: after it, the finite losses of
         # the other ranks are the mean of fewer ranks, computed with poisoned weights.
         sel_all = sel_all & (steps < tail_step)
@@ -490,4 +503,5 @@ def convergence(
         loss_before_nonfinite=before,
         nonfinite_steps=int(np.count_nonzero(nonfinite)),
         nonfinite_tail=tail,
+        nonfinite_last_steps=at[1] if at is not None and tail is None else 0,
     )

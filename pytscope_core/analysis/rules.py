@@ -790,7 +790,10 @@ def nonfinite(a: RunAnalysis) -> list[Finding]:
     if tail is None:
         title = f"The loss became non-finite at step {c.nonfinite_step}"
         course = (
-            f" It was finite again after it ({c.nonfinite_steps} step(s) in all had a non-finite loss)."
+            f" The run's last {c.nonfinite_last_steps} step(s) had a non-finite loss ({c.nonfinite_steps} in all):"
+            " too few to tell whether it would have recovered."
+            if c.nonfinite_last_steps
+            else f" It was finite again after it ({c.nonfinite_steps} step(s) in all had a non-finite loss)."
             if c.nonfinite_steps
             else ""
         )
@@ -804,7 +807,9 @@ def nonfinite(a: RunAnalysis) -> list[Finding]:
         some = bool(tail.ranks) and 1 < a.world_size and len(tail.ranks) < a.world_size
         course = (
             f" {f'The loss of rank(s) {format_ranks(tail.ranks)}' if some else 'The loss'} stayed non-finite "
-            f"from step {tail.step} to the end ({tail.steps} step(s) with a non-finite loss)"
+            f"from step {tail.step} to the end ({tail.steps} step(s) with a non-finite loss"
+            + ("" if tail.stepped else ", and the optimizer never stepped again")
+            + ")"
             + ("; the other ranks' finite losses do not mean that it trained." if some else ".")
         )
     return [
