@@ -165,8 +165,8 @@ class StepRecorder:
         self._step_syncs += 1
 
     def gradients_cleared(self) -> None:
-        """`zero_grad()` after a backward, the optimizer's step never called: one skipped (GradScaler's, on inf
-        or NaN gradients) is a step, not merged into the next (never closing when every step is skipped)."""
+        """A GradScaler stepped, or `zero_grad()` ran, after a backward with no optimizer step: a skipped step
+        ends here, one of its own (not merged into the next, never closing when every step is skipped)."""
         self._stepped |= self.in_step and _BACKWARD_END in self._marks
 
     def forward_untrained(self) -> None:
@@ -199,9 +199,7 @@ class StepRecorder:
     def stop(self) -> None:
         """Record nothing more: the open step is dropped, none opens again (closed steps stay for a flush)."""
         self._stopped = True
-        self.in_step = False
-        self.wants_fingerprint = False
-        self._stepped = False
+        self.in_step = self.wants_fingerprint = self._stepped = False
         self._marks, self._stamps = [], []
 
     @property
@@ -300,10 +298,8 @@ class StepRecorder:
 
     def close(self, keep_nonfinite: bool = False) -> None:
         """End of training: close the open step at its last mark if an optimizer step happened in it (not what
-        came after, as evaluation after a `break`), else drop it but count its gradient syncs and micro-batches.
-        At the run's end (`keep_nonfinite`), an unstepped step with a non-finite loss logged closes too, as a
-        step the optimizer skipped: the batches a NaN guard skipped since the last step, the loss gone NaN for
-        good, which would otherwise never be reported."""
+        came after, as evaluation after a `break`) or, at the run's end (`keep_nonfinite`), if it logged a NaN or
+        Inf loss (a NaN guard skipped its batches); else drop it, but count its gradient syncs and micro-batches."""
         if self._stepped or (keep_nonfinite and self.in_step and _any_nonfinite(self._losses)):
             self._close_step(at_last_mark=True)
         elif self.in_step:
