@@ -59,14 +59,14 @@ LOADER_TAKEN = (
 
 def end_windows_at_zero_grad(optimizer: Any, hooks: TorchHooks) -> Callable[[], None]:
     """Wrap `optimizer.zero_grad` on the instance to tell the recorder that gradients were cleared outside the
-    optimizer's step (`StepRecorder.gradients_cleared`: a step the optimizer skipped ends there; L-BFGS's
+    optimizer's step (`StepRecorder.optimizer_skipped`: a step the optimizer skipped ends there; L-BFGS's
     closure clears them inside), and the backward timer once they are (`BackwardTimer.grads_cleared`);
     return the undo."""
     zero_grad = optimizer.zero_grad
 
     def cleared(*args: Any, **kwargs: Any) -> Any:
         if not hooks.optimizing:
-            hooks.recorder.gradients_cleared()
+            hooks.recorder.optimizer_skipped()
         try:
             return zero_grad(*args, **kwargs)
         finally:
@@ -79,28 +79,31 @@ def end_windows_at_zero_grad(optimizer: Any, hooks: TorchHooks) -> Callable[[], 
 
 
 _SCALED: list[tuple[Any, TorchHooks]] = []  # (torch optimizer, the hooks watching it) for `GradScaler.step`
-_SCALER_MARKER = "pytscope_scaler"
+_SCALER_WRAPPERS: list[Callable[..., Any]] = []  # ours (known by identity), wherever they may be now
 
 
 def end_steps_the_scaler_skips(optimizer: Any, hooks: TorchHooks) -> Callable[[], None]:
     """End the step where a GradScaler steps `optimizer`, also when it skips the optimizer's step on inf or
-    NaN gradients (`StepRecorder.gradients_cleared`). Otherwise the skipped step merges into the next: PyTorch's
+    NaN gradients (`StepRecorder.optimizer_skipped`). Otherwise the skipped step merges into the next: PyTorch's
     AMP recipe clears gradients first thing in the next iteration, after its loop top (the watched loader's
     fetch), and Lightning in the next batch's closure or through its own optimizer wrapper. `GradScaler.step`
     is wrapped on the class while any optimizer is watched (Accelerate's and Lightning's scalers step
-    through it too); return the undo."""
+    through it too); return the undo. Our wrapper is known by identity, not by an attribute: another tool's
+    wrapper over it copies its attributes (`functools.wraps`), and stays, with ours inside, idle."""
     scaler_class = _scaler_class()
     if scaler_class is None:
         return lambda: None
-    if not _SCALED:
-        scaler_class.step = _ending_skipped_steps(scaler_class.step)
+    if not any(_in_chain(scaler_class.step, ours) for ours in _SCALER_WRAPPERS):
+        _SCALER_WRAPPERS.append(_ending_skipped_steps(scaler_class.step))
+        scaler_class.step = _SCALER_WRAPPERS[-1]
     entry = (optimizer, hooks)
     _SCALED.append(entry)
 
     def undo() -> None:
         _SCALED[:] = [e for e in _SCALED if e is not entry]
-        ours = scaler_class.__dict__.get("step")
-        if not _SCALED and getattr(ours, _SCALER_MARKER, False):  # (unless another tool wrapped it since)
+        while not _SCALED and any(scaler_class.__dict__.get("step") is ours for ours in _SCALER_WRAPPERS):
+            ours = scaler_class.__dict__["step"]
+            _SCALER_WRAPPERS[:] = [w for w in _SCALER_WRAPPERS if w is not ours]
             scaler_class.step = ours.__wrapped__
 
     return undo
@@ -112,11 +115,19 @@ def _ending_skipped_steps(step: Callable[..., Any]) -> Callable[..., Any]:
         result = step(scaler, optimizer, *args, **kwargs)
         for watched, hooks in _SCALED:
             if watched is optimizer and not hooks.optimizing:
-                hooks.recorder.gradients_cleared()  # (a no-op after a step the optimizer took)
+                hooks.recorder.optimizer_skipped(checked=True)  # (a no-op after a step the optimizer took)
         return result
 
-    setattr(scaler_step, _SCALER_MARKER, True)
     return scaler_step
+
+
+def _in_chain(method: Any, wrapper: Callable[..., Any]) -> bool:
+    """`wrapper` is `method` or inside it (wrappers that name what they wrap as `__wrapped__`)."""
+    for _ in range(16):
+        if method is wrapper:
+            return True
+        method = getattr(method, "__wrapped__", None)
+    return False
 
 
 def _scaler_class() -> Any:
@@ -125,6 +136,15 @@ def _scaler_class() -> Any:
 
     scaler = getattr(torch.amp, "GradScaler", None) or getattr(torch.cuda.amp, "GradScaler", None)
     return scaler if callable(getattr(scaler, "step", None)) else None
+
+
+def undo_all(undo: list[Callable[[], None]], on_error: Callable[[BaseException], None]) -> None:
+    """Run and forget each undo, the last change first: one that fails is reported, and the others still run."""
+    while undo:
+        try:
+            undo.pop()()
+        except Exception as exc:
+            on_error(exc)
 
 
 def unwrap_optimizer(optimizer: Any) -> Any:
@@ -245,8 +265,7 @@ class TorchHooks:
         if self.sharded is not None:
             self.sharded.remove()
         self.wrappers.remove()
-        while self._undo:  # (the last change first)
-            self._undo.pop()()
+        undo_all(self._undo, self._on_error)
 
     # -- model ----------------------------------------------------------------------------------------
     def _timed_forward(self, module: Any, forward: Callable[..., Any]) -> Callable[..., Any]:

@@ -164,10 +164,10 @@ class StepRecorder:
     def count_grad_sync(self) -> None:
         self._step_syncs += 1
 
-    def gradients_cleared(self) -> None:
-        """A GradScaler stepped, or `zero_grad()` ran, after a backward with no optimizer step: a skipped step
-        ends here, one of its own (not merged into the next, never closing when every step is skipped)."""
-        self._stepped |= self.in_step and _BACKWARD_END in self._marks
+    def optimizer_skipped(self, checked: bool = False) -> None:
+        """No optimizer step came where one would: `zero_grad()` after a backward, or (`checked`) a GradScaler's
+        step on gradients it found inf or NaN. The step ends here, one of its own (not merged into the next)."""
+        self._stepped |= self.in_step and (checked or _BACKWARD_END in self._marks)
 
     def forward_untrained(self) -> None:
         """The open step's last forward had no backward (the loop skipped its batch): no micro-batch."""

@@ -1,5 +1,6 @@
 """The torch-level Scope in one process: a real model, loader, optimizer; and the demo's scenarios."""
 
+import functools
 import json
 import math
 import signal
@@ -1042,14 +1043,18 @@ def test_steps_the_optimizer_skipped_are_steps_and_a_loss_gone_nan_for_good_is_s
     assert "CONVERGENCE.NONFINITE" in {f.code for f in summary.findings}
 
 
-def test_a_step_the_scaler_skipped_is_one_in_the_order_of_the_amp_recipe(tmp_path):
+@pytest.mark.parametrize("model_watched", [True, False])
+def test_a_step_the_scaler_skipped_is_one_in_the_order_of_the_amp_recipe(tmp_path, model_watched):
     # PyTorch's AMP recipe clears gradients first thing in each iteration: after the watched loader's fetch,
     # the loop top, too late for zero_grad to end the step the scaler skipped. 24 batches merged into 18 steps.
+    # The scaler's step ends it whether or not the model (whose backward zero_grad looks for) is watched.
     model = torch.nn.Linear(8, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     scaler = torch.amp.GradScaler("cpu", init_scale=1.0)
+    torchs = torch.amp.GradScaler.__dict__["step"]
     loader = DataLoader(TensorDataset(torch.randn(96, 8), torch.randn(96, 1)), batch_size=4)
-    scope = Scope(tmp_path, console=False, hang_timeout=None, interval=8).watch(model, opt, loader)
+    scope = Scope(tmp_path, console=False, hang_timeout=None, interval=8)
+    scope.watch(model if model_watched else None, opt, loader)
     for i, (x, y) in enumerate(loader):
         opt.zero_grad()
         loss = torch.nn.functional.mse_loss(model(x), y) * (math.inf if i % 4 == 3 else 1.0)
@@ -1059,8 +1064,45 @@ def test_a_step_the_scaler_skipped_is_one_in_the_order_of_the_amp_recipe(tmp_pat
     scope.finish()
     arrays = load_run(tmp_path).arrays
     assert arrays.optimizer_steps[:, 0].tolist() == [0.0 if i % 4 == 3 else 1.0 for i in range(24)]
-    assert (arrays.micro_batches[:, 0] == 1).all()
-    assert not hasattr(torch.amp.GradScaler.step, "pytscope_scaler")  # torch's own again
+    assert (arrays.micro_batches[:, 0] == (1 if model_watched else 0)).all()
+    assert torch.amp.GradScaler.__dict__["step"] is torchs  # torch's own again
+
+
+def test_another_tools_wrapper_over_the_scalers_step_outlives_the_scope(tmp_path):
+    # Our wrapper was known by an attribute, which functools.wraps copies: at finish the other tool's wrapper
+    # was taken for ours and removed (ours put back for good); a mock's `__wrapped__` raised out of finish(),
+    # leaving the optimizer's zero_grad wrapped.
+    from unittest import mock
+
+    torchs, called = torch.amp.GradScaler.__dict__["step"], []
+    scope, model, opt = watched_linear(tmp_path)
+    theirs = torch.amp.GradScaler.step
+
+    @functools.wraps(theirs)
+    def traced(*args, **kwargs):
+        called.append(1)
+        return theirs(*args, **kwargs)
+
+    torch.amp.GradScaler.step = traced
+    try:
+        scope.finish()
+        assert torch.amp.GradScaler.__dict__["step"] is traced  # theirs stays, ours idle inside it
+        scaler = torch.amp.GradScaler("cpu")
+        scaler.scale(model(torch.randn(2, 8)).sum()).backward()
+        scaler.step(opt)
+        assert called == [1]
+        second, model, opt = watched_linear(tmp_path / "second")
+        assert torch.amp.GradScaler.__dict__["step"] is traced  # ours is in its chain: not wrapped again
+        second.finish()
+    finally:
+        torch.amp.GradScaler.step = theirs
+    with mock.patch.object(torch.amp.GradScaler, "step"):
+        third, model, opt = watched_linear(tmp_path / "third")
+        third.finish()  # (the mock is no wrapper of ours: it stays)
+        assert "zero_grad" not in vars(opt) and third.errors == []
+    scope, model, opt = watched_linear(tmp_path / "fourth")
+    scope.finish()
+    assert torch.amp.GradScaler.__dict__["step"] is torchs
 
 
 @pytest.mark.parametrize("clears", [False, True])
