@@ -29,6 +29,7 @@ from .flops import FlopEstimate
 from .fsdp import FSDPCommTimer
 from .loader import batches_per_epoch, hooks_of, watch_loader
 from .parallelism import fsdp2_units
+from .patches import ClassPatch
 from .recorder import StepRecorder
 from .timeline import Mark
 
@@ -79,7 +80,6 @@ def end_windows_at_zero_grad(optimizer: Any, hooks: TorchHooks) -> Callable[[], 
 
 
 _SCALED: list[tuple[Any, TorchHooks]] = []  # (torch optimizer, the hooks watching it) for `GradScaler.step`
-_SCALER_WRAPPERS: list[Callable[..., Any]] = []  # ours (known by identity), wherever they may be now
 
 
 def end_steps_the_scaler_skips(optimizer: Any, hooks: TorchHooks) -> Callable[[], None]:
@@ -88,23 +88,18 @@ def end_steps_the_scaler_skips(optimizer: Any, hooks: TorchHooks) -> Callable[[]
     AMP recipe clears gradients first thing in the next iteration, after its loop top (the watched loader's
     fetch), and Lightning in the next batch's closure or through its own optimizer wrapper. `GradScaler.step`
     is wrapped on the class while any optimizer is watched (Accelerate's and Lightning's scalers step
-    through it too); return the undo. Our wrapper is known by identity, not by an attribute: another tool's
-    wrapper over it copies its attributes (`functools.wraps`), and stays, with ours inside, idle."""
+    through it too); return the undo."""
     scaler_class = _scaler_class()
     if scaler_class is None:
         return lambda: None
-    if not any(_in_chain(scaler_class.step, ours) for ours in _SCALER_WRAPPERS):
-        _SCALER_WRAPPERS.append(_ending_skipped_steps(scaler_class.step))
-        scaler_class.step = _SCALER_WRAPPERS[-1]
+    _SCALER_PATCH.install(scaler_class, "step")
     entry = (optimizer, hooks)
     _SCALED.append(entry)
 
     def undo() -> None:
         _SCALED[:] = [e for e in _SCALED if e is not entry]
-        while not _SCALED and any(scaler_class.__dict__.get("step") is ours for ours in _SCALER_WRAPPERS):
-            ours = scaler_class.__dict__["step"]
-            _SCALER_WRAPPERS[:] = [w for w in _SCALER_WRAPPERS if w is not ours]
-            scaler_class.step = ours.__wrapped__
+        if not _SCALED:
+            _SCALER_PATCH.remove(scaler_class, "step")
 
     return undo
 
@@ -121,21 +116,15 @@ def _ending_skipped_steps(step: Callable[..., Any]) -> Callable[..., Any]:
     return scaler_step
 
 
-def _in_chain(method: Any, wrapper: Callable[..., Any]) -> bool:
-    """`wrapper` is `method` or inside it (wrappers that name what they wrap as `__wrapped__`)."""
-    for _ in range(16):
-        if method is wrapper:
-            return True
-        method = getattr(method, "__wrapped__", None)
-    return False
-
-
 def _scaler_class() -> Any:
     """torch's GradScaler (`torch.amp`'s from torch 2.3; CUDA's, and FSDP's sharded one, derive from it)."""
     import torch
 
     scaler = getattr(torch.amp, "GradScaler", None) or getattr(torch.cuda.amp, "GradScaler", None)
     return scaler if callable(getattr(scaler, "step", None)) else None
+
+
+_SCALER_PATCH = ClassPatch(_ending_skipped_steps)
 
 
 def undo_all(undo: list[Callable[[], None]], on_error: Callable[[BaseException], None]) -> None:

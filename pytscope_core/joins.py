@@ -28,12 +28,11 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from .patches import ClassPatch
 from .watchdog import JOINED
 
 if TYPE_CHECKING:
     from .scope import Scope
-
-_MARKER = "pytscope_join"
 
 
 class JoinFollower:
@@ -53,8 +52,7 @@ class JoinFollower:
         if join_class is None or self in self._installed:
             return
         self.thread = threading.get_ident()
-        if not self._installed:
-            join_class.__exit__ = _following(join_class.__exit__)  # type: ignore[method-assign]
+        _EXIT_PATCH.install(join_class, "__exit__")
         self._installed.append(self)
 
     def remove(self) -> None:
@@ -63,9 +61,7 @@ class JoinFollower:
         self._installed.remove(self)
         join_class = _join_class()
         if not self._installed and join_class is not None:
-            ours = join_class.__dict__.get("__exit__")
-            if getattr(ours, _MARKER, False):  # (unless another tool wrapped it since: ours then passes)
-                join_class.__exit__ = ours.__wrapped__  # type: ignore[method-assign]
+            _EXIT_PATCH.remove(join_class, "__exit__")
 
     @classmethod
     def on_this_thread(cls) -> JoinFollower | None:
@@ -168,8 +164,10 @@ def _following(exit_: Callable[..., Any]) -> Callable[..., Any]:
             return exit_(join, *exc_info)
         return follower.through(join, lambda: exit_(join, *exc_info))
 
-    setattr(__exit__, _MARKER, True)
     return __exit__
+
+
+_EXIT_PATCH = ClassPatch(_following)
 
 
 def _shadow_hook(follower: JoinFollower, ddp: Any) -> Any:
