@@ -110,7 +110,7 @@ def _ending_skipped_steps(step: Callable[..., Any]) -> Callable[..., Any]:
         result = step(scaler, optimizer, *args, **kwargs)
         for watched, hooks in _SCALED:
             if watched is optimizer and not hooks.optimizing:
-                hooks.recorder.optimizer_skipped(checked=True)  # (a no-op after a step the optimizer took)
+                hooks.recorder.optimizer_skipped(certain=True)  # (a no-op after a step the optimizer took)
         return result
 
     return scaler_step

@@ -164,10 +164,10 @@ class StepRecorder:
     def count_grad_sync(self) -> None:
         self._step_syncs += 1
 
-    def optimizer_skipped(self, checked: bool = False) -> None:
-        """No optimizer step came where one would: `zero_grad()` after a backward, or (`checked`) a GradScaler's
-        step on gradients it found inf or NaN. The step ends here, one of its own (not merged into the next)."""
-        self._stepped |= self.in_step and (checked or _BACKWARD_END in self._marks)
+    def optimizer_skipped(self, certain: bool = False) -> None:
+        """No optimizer step came where one would: `zero_grad()` after a backward or, `certain`, a GradScaler's
+        step on inf or NaN gradients, a step Lightning counted. The step ends here, one of its own."""
+        self._stepped |= self.in_step and (certain or _BACKWARD_END in self._marks)
 
     def forward_untrained(self) -> None:
         """The open step's last forward had no backward (the loop skipped its batch): no micro-batch."""

@@ -205,6 +205,10 @@ class ScopeCallback(Callback):
         batch_idx: int,
     ) -> None:
         scope.log(loss=_loss_of(outputs, trainer, pl_module))
+        if trainer.global_step > scope.recorder.current_label(open_step=True):
+            # Lightning counted a step in this batch: its optimizer's, or one it skipped (a GradScaler skips
+            # no step it is not called for, as after a training_step that returned None).
+            scope.recorder.optimizer_skipped(certain=True)
         if not self._fetch_timed:  # loop top: from here to the next batch is the wait for data
             scope.hooks.data_begin()
 
