@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Protocol
 
 from .compiled import is_compiling_function
+from .patches import Patch
 from .timeline import Mark
 
 _BEGIN = int(Mark.LOOP_COMM_BEGIN)
@@ -190,7 +191,6 @@ class TorchCollectives:
     another tool wrapped one since (ours, inside it, then marks nothing)."""
 
     _installed: list[TorchCollectives] = []
-    _wrappers: dict[str, Callable[..., Any]] = {}
 
     def __init__(self, hooks: _Hooks, on_error: Callable[[BaseException], None]) -> None:
         self.hooks, self.on_error = hooks, on_error
@@ -203,12 +203,9 @@ class TorchCollectives:
             return
         if self in self._installed or not dist.is_available():
             return
-        if not self._installed:
-            for name in TORCH_COLLECTIVES:
-                function = getattr(dist, name, None)
-                if callable(function):
-                    self._wrappers[name] = wrapper = _timed_collective(function)
-                    setattr(dist, name, wrapper)
+        for name, patch in _COLLECTIVE_PATCHES.items():
+            if callable(getattr(dist, name, None)):
+                patch.install(dist, name)
         self._installed.append(self)
 
     def remove(self) -> None:
@@ -219,10 +216,8 @@ class TorchCollectives:
             return
         import torch.distributed as dist
 
-        for name, wrapper in self._wrappers.items():
-            if getattr(dist, name, None) is wrapper:
-                setattr(dist, name, wrapper.__wrapped__)  # type: ignore[attr-defined]
-        self._wrappers.clear()
+        for name, patch in _COLLECTIVE_PATCHES.items():
+            patch.remove(dist, name)
 
     @classmethod
     def on_this_thread(cls) -> TorchCollectives | None:
@@ -261,3 +256,6 @@ def _timed_collective(function: Callable[..., Any]) -> Callable[..., Any]:
 
     collective.pytscope_collective = True  # type: ignore[attr-defined]
     return collective
+
+
+_COLLECTIVE_PATCHES = {name: Patch(_timed_collective) for name in TORCH_COLLECTIVES}

@@ -29,7 +29,7 @@ from .flops import FlopEstimate
 from .fsdp import FSDPCommTimer
 from .loader import batches_per_epoch, hooks_of, watch_loader
 from .parallelism import fsdp2_units
-from .patches import ClassPatch
+from .patches import Patch
 from .recorder import StepRecorder
 from .timeline import Mark
 
@@ -124,7 +124,7 @@ def _scaler_class() -> Any:
     return scaler if callable(getattr(scaler, "step", None)) else None
 
 
-_SCALER_PATCH = ClassPatch(_ending_skipped_steps)
+_SCALER_PATCH = Patch(_ending_skipped_steps)
 
 
 def undo_all(undo: list[Callable[[], None]], on_error: Callable[[BaseException], None]) -> None:

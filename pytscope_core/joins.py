@@ -28,7 +28,7 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from .patches import ClassPatch
+from .patches import Patch
 from .watchdog import JOINED
 
 if TYPE_CHECKING:
@@ -167,7 +167,7 @@ def _following(exit_: Callable[..., Any]) -> Callable[..., Any]:
     return __exit__
 
 
-_EXIT_PATCH = ClassPatch(_following)
+_EXIT_PATCH = Patch(_following)
 
 
 def _shadow_hook(follower: JoinFollower, ddp: Any) -> Any:

@@ -1,8 +1,8 @@
-"""Wrappers put on a class, for objects the user makes and the scope never sees (torch's `Join.__exit__`,
-`GradScaler.step`), in place while some scope needs them. Ours are known by identity, never by an attribute:
-another tool's wrapper over ours copies our attributes (`functools.wraps`), and a mock answers to any name.
-A wrapper of ours must pass every call through unchanged when no scope needs it: one under another tool's
-wrapper stays there."""
+"""Wrappers put on a class or a module, for what the user calls and the scope never sees (torch's
+`Join.__exit__`, `GradScaler.step`, torch.distributed's collectives), in place while some scope needs them, one
+for all scopes. Ours are known by identity, never by an attribute: another tool's wrapper over ours copies our
+attributes (`functools.wraps`), and a mock answers to any name. A wrapper of ours must pass every call through
+unchanged when no scope needs it: one under another tool's wrapper stays there."""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ from typing import Any
 _CHAIN_DEPTH = 16  # wrappers looked through for ours (a mock's `__wrapped__` is another mock, endlessly)
 
 
-class ClassPatch:
-    """`wrap(method)` installed as `owner.name`, once however many scopes install it."""
+class Patch:
+    """`wrap(function)` installed as `owner.name` (a class's method, a module's function), once however many
+    scopes install it."""
 
     def __init__(self, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
         self._wrap = wrap
