@@ -62,6 +62,7 @@ class BackwardTimer:
         self.in_backward = False  # forwards run inside backward (recomputation) are not training forwards
         self._on_error = on_error
         self._sync_pending = False  # this micro-batch's backward all-reduces (DDP outside no_sync())
+        self._sync_step = 0  # the recorder's steps_done when that forward ended
         self._awaiting = False  # a forward ended and no hooked gradient has become ready since
         self._params: list[Any] = []  # every parameter watched for gradients
         self._grad_hooks: list[tuple[Any, Any]] = []  # (param, handle) watching for backward's first gradient
@@ -120,8 +121,10 @@ class BackwardTimer:
         self.settle()
         self._sync_pending = grad_sync
         self._awaiting = True
-        if grad_sync and self._params:
-            self._grad_before = _grad_states(self._params)
+        if grad_sync:
+            self._sync_step = self.recorder.steps_done
+            if self._params:
+                self._grad_before = _grad_states(self._params)
         t = (
             first_grad_tensor(output)
             if output is not None and (self._output_hook or not self._params)
@@ -142,8 +145,11 @@ class BackwardTimer:
         if self._sync_pending:
             self._sync_pending = False
             # Unless no backward ran at all (the loop skipped the batch after an error on some rank): a
-            # synced backward wrote the gradients on every rank, whichever parameters it reached.
-            if not self._params or _grad_states(self._params) != self._grad_before:
+            # synced backward wrote the gradients on every rank, whichever parameters it reached. The
+            # forward's step may have ended since, with no backward (`StepRecorder._ends_skipped_step`).
+            if self._sync_step == self.recorder.untrained_step:
+                pass
+            elif not self._params or _grad_states(self._params) != self._grad_before:
                 self.recorder.count_grad_sync()
             else:
                 self.recorder.forward_untrained()

@@ -97,6 +97,7 @@ class StepRecorder:
         self._label: int | None = None
         self.last_label: int | None = None  # the last closed step's label
         self._fingerprint: Any = None
+        self.untrained_step = -1  # steps_done while the last step that `_ends_skipped_step` ended was open
 
     # -- hot path -------------------------------------------------------------------------------------
     def mark(self, mark: int) -> None:
@@ -107,7 +108,7 @@ class StepRecorder:
     def loop_top(self, mark: int) -> None:
         """A mark where a new iteration may begin (fetching data, or the forward when no loader is watched):
         the step whose optimizer has stepped closes here, and the next one opens with `mark`."""
-        if self._stepped:
+        if self._stepped or self.in_step and self._ends_skipped_step():
             self._close_step()
             if (self.grad_syncs if self.notify_on_syncs else self.steps_done) >= self.notify_at:
                 if self.on_step_closed is not None:
@@ -132,6 +133,19 @@ class StepRecorder:
         self._step_micro = 0
         self._label = None
         self._fingerprint = None
+
+    def _ends_skipped_step(self) -> bool:
+        """Whether the open step's batches were all skipped on a non-finite loss (a NaN guard's `continue`: a
+        forward and a logged NaN or Inf loss, no backward). If so it ends at this loop top, a step the optimizer
+        skipped with no micro-batch trained (`untrained_step`); else the batches a guard skips until the run's
+        end would be one step, closed only then (`close`), and no live report would come while they run. Off
+        the hot path: only an open step whose optimizer has not stepped (an accumulation window) asks."""
+        marks = self._marks
+        if _FORWARD_END in marks and _BACKWARD_END not in marks and _any_nonfinite(self._losses):
+            self._step_micro = 0
+            self.untrained_step = self.steps_done
+            return True
+        return False
 
     def drop_unstepped(self) -> None:
         """Forget the open step if its optimizer has not stepped: what opened it (a forward before the loop's
@@ -246,6 +260,7 @@ class StepRecorder:
         self.grad_syncs = int(counters.get("grad_syncs", 0))
         self.micro_batches = int(counters.get("micro_batches", 0))
         self.last_label = None
+        self.untrained_step = -1
         self.window.clear()
 
     def _close_step(self, at_last_mark: bool = False) -> None:

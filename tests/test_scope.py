@@ -1109,7 +1109,7 @@ def test_another_tools_wrapper_over_the_scalers_step_outlives_the_scope(tmp_path
 def test_a_loss_gone_nan_for_good_behind_a_nan_guard_is_reported(tmp_path, clears):
     # The loop skips every batch whose loss is not finite (`continue` before the backward): from batch 31 on
     # the optimizer never stepped again, so the step never closed and was dropped at the end, its NaN losses
-    # with it: 30 steps, no CONVERGENCE.NONFINITE.
+    # with it: 30 steps, no CONVERGENCE.NONFINITE. Then one step of 10 batches; each is a step of its own.
     model = torch.nn.Linear(8, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     loader = DataLoader(TensorDataset(torch.randn(160, 8), torch.randn(160, 1)), batch_size=4)
@@ -1126,9 +1126,35 @@ def test_a_loss_gone_nan_for_good_behind_a_nan_guard_is_reported(tmp_path, clear
         opt.zero_grad()
     scope.finish()
     run = load_run(tmp_path)
-    assert run.arrays.optimizer_steps[:, 0].tolist() == [1.0] * 30 + [0.0]  # the skipped batches: one step
+    assert run.arrays.optimizer_steps[:, 0].tolist() == [1.0] * 30 + [0.0] * 10
+    assert run.arrays.micro_batches[:, 0].tolist() == [1.0] * 30 + [0.0] * 10  # none trained
     (found,) = [f for f in summarize(run.arrays, run.context).findings if f.code == "CONVERGENCE.NONFINITE"]
     assert found.title == "The loss became non-finite at step 31 and never recovered", found.title
+
+
+def test_batches_a_nan_guard_skips_under_ddp_are_steps_that_neither_sync_nor_train(tmp_path, one_rank_group):
+    # Batches 6-9 skipped on a NaN loss, then training goes on. Each skipped batch ends at the next fetch, and
+    # the gradient sync its forward prepared and never ran is not counted on the step after it.
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    loader = DataLoader(TensorDataset(torch.randn(64, 8), torch.randn(64, 1)), batch_size=4)
+    scope = Scope(tmp_path, console=False, hang_timeout=None, interval=4).watch(model, opt, loader)
+    for i, (x, y) in enumerate(loader):
+        loss = torch.nn.functional.mse_loss(model(x * (math.nan if 6 <= i < 10 else 1.0)), y)
+        scope.log(loss=loss)
+        if not torch.isfinite(loss):
+            continue
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    scope.finish()
+    arrays = load_run(tmp_path).arrays
+    trained = [1.0] * 6 + [0.0] * 4 + [1.0] * 6
+    assert arrays.optimizer_steps[:, 0].tolist() == trained
+    assert arrays.grad_syncs[:, 0].tolist() == trained
+    assert arrays.micro_batches[:, 0].tolist() == trained
+    assert np.isinf(arrays.loss[6:10, 0]).all() and np.isfinite(arrays.loss[10:, 0]).all()
+    assert "DIST.DESYNC" not in {f.code for f in summarize(arrays, load_run(tmp_path).context).findings}
 
 
 def test_a_model_set_up_by_lightning_fabric_trains_and_is_timed_inside_its_wrapper(tmp_path):
