@@ -79,6 +79,11 @@ class AccelerateScope:
         """Time inside (evaluation, `save_state`) is not charged to the training step."""
         return self.scope.paused()
 
+    def collective(self) -> contextlib.AbstractContextManager[None]:
+        """Time inside is a wait of the loop's that nothing else times (an asynchronous collective's `wait()`,
+        another library's collective): communication, so the process the others wait for is named."""
+        return self.scope.collective()
+
     def finish(self) -> Any:
         """Final gather and, on the main process, the end-of-run summary (printed and written to the run).
 

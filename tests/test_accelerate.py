@@ -319,6 +319,28 @@ def test_a_step_the_fp16_scaler_skipped_is_a_step_of_its_own(
     assert (arrays.micro_batches[:, 0] == 1).all()
 
 
+def test_a_wait_of_the_loops_own_is_communication(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "1")
+    import torch
+    from accelerate import Accelerator
+
+    from pytscope_accelerate import AccelerateScope
+
+    accelerator = Accelerator()
+    model, optimizer, loader = prepared_regression(accelerator, steps=6, batch=4)
+    scope = AccelerateScope(accelerator, tmp_path / "run", console=False, hang_timeout=None)
+    scope.watch(model, optimizer, loader)
+    for xb, yb in loader:
+        accelerator.backward(torch.nn.functional.mse_loss(model(xb), yb))
+        optimizer.step()
+        optimizer.zero_grad()
+        with scope.collective():  # as around another library's collective
+            time.sleep(0.02)
+    scope.finish()
+    comm = load_run(tmp_path / "run").arrays.comm_ms[:, 0]
+    assert len(comm) == 6 and (comm >= 15.0).all(), comm
+
+
 def test_stop_ends_the_scope_where_the_loop_caught_an_error(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
