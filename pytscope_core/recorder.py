@@ -330,7 +330,7 @@ class StepRecorder:
         """
         window, self.window = self.window, []
         stamps = [s for w in window for s in w.stamps]
-        rows = self._rows(window, stamps, rank, segment, epoch_offset_s)
+        rows = closed_rows(window, stamps, self.clock, rank, segment, epoch_offset_s)
         release = getattr(self.clock, "release", None)  # (CUDA events: reused once read for the last time)
         if release is not None:
             release(stamps)
@@ -345,31 +345,34 @@ class StepRecorder:
         last = self._stepped_snapshot()
         if last is not None:
             window.append(last)
-        return self._rows(window, [s for w in window for s in w.stamps], rank, segment, epoch_offset_s)
+        stamps = [s for w in window for s in w.stamps]
+        return closed_rows(window, stamps, self.clock, rank, segment, epoch_offset_s)
 
-    def _rows(
-        self, window: list[ClosedStep], stamps: list[Any], rank: int, segment: int, epoch_offset_s: float
-    ) -> np.ndarray:
-        rows = np.full((len(window), NCOLS), np.nan)
-        if not window:
-            return rows
-        ms = self.clock.to_ms(stamps)
-        timed = attribute_many([w.marks for w in window], ms)
-        meta = np.array(
-            [(w.step, w.host_start_ns, w.samples, w.mem, w.syncs, w.micro) for w in window], dtype=np.float64
-        )
-        rows[:, COL["rank"]] = rank
-        rows[:, COL["segment"]] = segment
-        rows[:, COL["step"]] = meta[:, 0]
-        rows[:, COL["start_s"]] = meta[:, 1] / 1e9 + epoch_offset_s
-        rows[:, list(PHASE_COLS)] = timed[:, : len(PHASE_COLS)]
-        rows[:, COL["excluded_ms"]] = timed[:, len(PHASE_COLS)]
-        rows[:, COL["wall_ms"]] = timed[:, len(PHASE_COLS) + 1]
-        rows[:, COL["loss"]] = step_losses([w.losses for w in window])
-        rows[:, COL["batch_fp"]] = resolve_fingerprints([w.fingerprint for w in window])
-        rows[:, [COL["samples"], COL["mem_bytes"], COL["grad_syncs"], COL["micro_batches"]]] = meta[:, 2:]
-        rows[:, COL["optimizer_steps"]] = [w.marks.count(_OPTIMIZER_END) for w in window]
+
+def closed_rows(
+    window: list[ClosedStep], stamps: list[Any], clock: Clock, rank: int, segment: int, epoch_offset_s: float
+) -> np.ndarray:
+    """The record rows (see records.COLUMNS) of closed steps, `stamps` theirs in order, read with `clock`."""
+    rows = np.full((len(window), NCOLS), np.nan)
+    if not window:
         return rows
+    ms = clock.to_ms(stamps)
+    timed = attribute_many([w.marks for w in window], ms)
+    meta = np.array(
+        [(w.step, w.host_start_ns, w.samples, w.mem, w.syncs, w.micro) for w in window], dtype=np.float64
+    )
+    rows[:, COL["rank"]] = rank
+    rows[:, COL["segment"]] = segment
+    rows[:, COL["step"]] = meta[:, 0]
+    rows[:, COL["start_s"]] = meta[:, 1] / 1e9 + epoch_offset_s
+    rows[:, list(PHASE_COLS)] = timed[:, : len(PHASE_COLS)]
+    rows[:, COL["excluded_ms"]] = timed[:, len(PHASE_COLS)]
+    rows[:, COL["wall_ms"]] = timed[:, len(PHASE_COLS) + 1]
+    rows[:, COL["loss"]] = step_losses([w.losses for w in window])
+    rows[:, COL["batch_fp"]] = resolve_fingerprints([w.fingerprint for w in window])
+    rows[:, [COL["samples"], COL["mem_bytes"], COL["grad_syncs"], COL["micro_batches"]]] = meta[:, 2:]
+    rows[:, COL["optimizer_steps"]] = [w.marks.count(_OPTIMIZER_END) for w in window]
+    return rows
 
 
 def step_losses(logged: list[list[Any]]) -> list[float]:
