@@ -73,6 +73,7 @@ class Coordinator:
         if dist.is_available() and dist.is_initialized():
             self.rank = dist.get_rank()
             self.world_size = dist.get_world_size()
+        self.recorder.ends_skipped_steps = self.world_size == 1  # (a rank's own loss decides it)
         if self.world_size > 1:
             from .gather import Gatherer
 

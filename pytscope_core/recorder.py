@@ -36,6 +36,16 @@ def _any_nonfinite(values: list[Any]) -> bool:
     return any(v is not None and not math.isfinite(v) for v in to_floats(values))
 
 
+def skipped_untrained(marks: list[int], losses: list[Any], nonfinite: bool) -> bool:
+    """Whether a step's batches were all skipped after their forward (a NaN guard's `continue`): forwards, a
+    loss logged (`nonfinite`: a NaN or Inf one), no backward. The loss is the rank's own: where ranks agree
+    to skip a batch whose loss is not finite on one of them, the others' losses are finite, so with more
+    ranks a step may end on it only where every rank decides alike (at the run's end, on any loss)."""
+    if not losses or _FORWARD_END not in marks or _BACKWARD_END in marks:
+        return False
+    return not nonfinite or _any_nonfinite(losses)
+
+
 def host_peak_rss() -> float:
     return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * _RSS_UNIT)
 
@@ -98,6 +108,7 @@ class StepRecorder:
         self.last_label: int | None = None  # the last closed step's label
         self._fingerprint: Any = None
         self.untrained_step = -1  # steps_done while the last step that `_ends_skipped_step` ended was open
+        self.ends_skipped_steps = False  # a one-rank run: a step ends on its own loss (`skipped_untrained`)
 
     # -- hot path -------------------------------------------------------------------------------------
     def mark(self, mark: int) -> None:
@@ -108,7 +119,7 @@ class StepRecorder:
     def loop_top(self, mark: int) -> None:
         """A mark where a new iteration may begin (fetching data, or the forward when no loader is watched):
         the step whose optimizer has stepped closes here, and the next one opens with `mark`."""
-        if self._stepped or self.in_step and self._ends_skipped_step():
+        if self._stepped or self.ends_skipped_steps and self.in_step and self._ends_skipped_step():
             self._close_step()
             if (self.grad_syncs if self.notify_on_syncs else self.steps_done) >= self.notify_at:
                 if self.on_step_closed is not None:
@@ -135,17 +146,21 @@ class StepRecorder:
         self._fingerprint = None
 
     def _ends_skipped_step(self) -> bool:
-        """Whether the open step's batches were all skipped on a non-finite loss (a NaN guard's `continue`: a
-        forward and a logged NaN or Inf loss, no backward). If so it ends at this loop top, a step the optimizer
-        skipped with no micro-batch trained (`untrained_step`); else the batches a guard skips until the run's
-        end would be one step, closed only then (`close`), and no live report would come while they run. Off
-        the hot path: only an open step whose optimizer has not stepped (an accumulation window) asks."""
-        marks = self._marks
-        if _FORWARD_END in marks and _BACKWARD_END not in marks and _any_nonfinite(self._losses):
+        """Whether the open step's batches were all skipped (`skipped_untrained`): it ends at this loop top, no
+        micro-batch trained (`untrained_step`), not at the run's end with every batch a guard skipped after it.
+        Off the hot path: only an open unstepped step (an accumulation window) asks, in a one-rank run."""
+        if skipped_untrained(self._marks, self._losses, nonfinite=True):
             self._step_micro = 0
             self.untrained_step = self.steps_done
             return True
         return False
+
+    def skipped_at_end(self) -> bool:
+        """Whether the open step, unstepped at the run's end, holds batches a NaN guard skipped: alone, a logged
+        NaN or Inf loss; with more ranks, `skipped_untrained` whatever the loss's value."""
+        if self.ends_skipped_steps:
+            return _any_nonfinite(self._losses)
+        return skipped_untrained(self._marks, self._losses, nonfinite=False)
 
     def drop_unstepped(self) -> None:
         """Forget the open step if its optimizer has not stepped: what opened it (a forward before the loop's
@@ -311,11 +326,15 @@ class StepRecorder:
             return None
         return self._as_closed(self.steps_done + 1, [*marks[:n], _STEP_END], [*stamps[:n], stamps[n - 1]])
 
-    def close(self, keep_nonfinite: bool = False) -> None:
+    def close(self, keep_skipped: bool = False) -> None:
         """End of training: close the open step at its last mark if an optimizer step happened in it (not what
-        came after, as evaluation after a `break`) or, at the run's end (`keep_nonfinite`), if it logged a NaN or
-        Inf loss (a NaN guard skipped its batches); else drop it, but count its gradient syncs and micro-batches."""
-        if self._stepped or (keep_nonfinite and self.in_step and _any_nonfinite(self._losses)):
+        came after, as evaluation after a `break`) or, at the run's end (`keep_skipped`), if the loop skipped its
+        batches (`skipped_at_end`); else drop it, but count its gradient syncs and micro-batches."""
+        if not self._stepped and keep_skipped and self.in_step and self.skipped_at_end():
+            if _BACKWARD_END not in self._marks:
+                self._step_micro = 0  # none of its batches trained
+            self._stepped = True
+        if self._stepped:
             self._close_step(at_last_mark=True)
         elif self.in_step:
             self.grad_syncs += self._step_syncs

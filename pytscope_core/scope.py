@@ -296,7 +296,7 @@ class Scope:
         if self._at_exit is not None:
             atexit.unregister(self._at_exit)
         try:
-            self.recorder.close(keep_nonfinite=True)
+            self.recorder.close(keep_skipped=True)
             if self.enabled and self.recorder.window and not self._started:
                 self.start()
             if self.session is not None:

@@ -2,12 +2,14 @@
 
 Options inject one behaviour at a time, always by busy-waiting (never sleeping): a slow rank, a rank that
 blocks at one step, a rank whose every step is slow but progressing, a rank that skips one gradient sync,
+a NaN loss on one rank that every rank skips,
 forward work of a fixed wall time on every rank, a model with two heads of which each rank uses its own
 choice every step.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import time
@@ -81,6 +83,13 @@ def _main(rank: int, world: int, port: int, o: dict[str, Any]) -> None:
         if rank == 0 and o.get("eval_every") and step % o["eval_every"] == 0:
             with scope.paused():  # evaluation on rank 0 only, as many DDP scripts do
                 spin(o["eval_ms"])
+        if step in o.get("nan_guard_at", ()):  # the last rank's loss is NaN: every rank agrees to skip
+            loss = F.cross_entropy(ddp(x * (math.nan if slow else 1.0)), y)
+            scope.log(loss=loss)
+            finite = torch.isfinite(loss.detach()).float().reshape(1)
+            dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+            if not finite.item():
+                continue
         if o.get("skip_sync_at") == step and slow:
             with ddp.no_sync():
                 loss = F.cross_entropy(ddp(x), y)

@@ -53,6 +53,22 @@ def test_busy_waiting_rank_is_named_and_its_wait_is_not_communication(tmp_path):
     assert s["distributed"]["transfer_ms"] < fast["comm_ms"] - 0.6 * lag
 
 
+@pytest.mark.parametrize("to_end", [False, True])
+def test_batches_every_rank_skips_on_one_ranks_nan_loss_are_no_desync(tmp_path, to_end):
+    # The last rank's loss is NaN at steps 6-8 (or from 36 to the end) and every rank skips the batch (the flag
+    # all-reduced). Ending the step there on that rank alone, as a one-rank run does, put it steps ahead of
+    # the other: a false DIST.DESYNC under DDP, and a hang where the gathers follow optimizer steps; and a
+    # last step kept at the end on that rank alone was a false DIST.DESYNC too.
+    skipped = range(36, 41) if to_end else range(6, 9)
+    ddp_worker.run(2, dict(run_dir=str(tmp_path), steps=40, nan_guard_at=list(skipped), interval=10))
+    arrays = load_run(tmp_path).arrays
+    assert arrays.n_steps == 37 - to_end and np.isfinite(arrays.wall_ms).all()  # the same steps on both
+    at = 35 if to_end else 5  # (where the skipped batches are: the last step, or with the next step's batch)
+    assert np.isinf(arrays.loss[at, 1]) and np.isfinite(arrays.loss[at, 0])
+    assert arrays.optimizer_steps[at].tolist() == [1.0 - to_end] * 2
+    assert "DIST.DESYNC" not in codes(report(tmp_path), ("HIGH", "MED", "LOW"))
+
+
 @pytest.mark.parametrize(
     "where",
     [

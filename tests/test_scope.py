@@ -1128,8 +1128,10 @@ def test_a_loss_gone_nan_for_good_behind_a_nan_guard_is_reported(tmp_path, clear
     run = load_run(tmp_path)
     assert run.arrays.optimizer_steps[:, 0].tolist() == [1.0] * 30 + [0.0] * 10
     assert run.arrays.micro_batches[:, 0].tolist() == [1.0] * 30 + [0.0] * 10  # none trained
-    (found,) = [f for f in summarize(run.arrays, run.context).findings if f.code == "CONVERGENCE.NONFINITE"]
+    summary = summarize(run.arrays, run.context)
+    (found,) = [f for f in summary.findings if f.code == "CONVERGENCE.NONFINITE"]
     assert found.title == "The loss became non-finite at step 31 and never recovered", found.title
+    assert summary.timing.steps_counted == 30 - 5  # a forward alone is not a step's work: not in statistics
 
 
 def test_batches_a_nan_guard_skips_under_ddp_are_steps_that_neither_sync_nor_train(tmp_path, one_rank_group):

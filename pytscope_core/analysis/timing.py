@@ -82,9 +82,21 @@ def few_steps_note(steps_counted: int) -> str | None:
 
 
 def statistics_steps(arrays: RunArrays) -> np.ndarray:
-    """Steps the statistics use: the counted ones, or all of them when a short run is still in warm-up."""
+    """Steps the statistics use: the counted ones that trained, or all of them when a short run is still in
+    warm-up. A step with no micro-batch and no optimizer step on any rank is a batch a NaN guard skipped
+    after its forward: a fraction of a step's work, which would pull the median down and read as jitter."""
     counted = np.asarray(arrays.counted, dtype=bool)
+    trained = counted & trained_steps(arrays)
+    if trained.any():
+        return trained
     return counted if counted.any() else np.ones(arrays.n_steps, dtype=bool)
+
+
+def trained_steps(arrays: RunArrays) -> np.ndarray:
+    """(S,) bool: some rank counted a micro-batch or an optimizer step in the step."""
+    with np.errstate(invalid="ignore"):
+        trained = (arrays.micro_batches > 0) | (arrays.optimizer_steps > 0)
+    return np.asarray(trained.any(axis=1), dtype=bool)
 
 
 def step_wall_ms(arrays: RunArrays) -> np.ndarray:
