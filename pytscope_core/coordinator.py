@@ -58,6 +58,7 @@ class Coordinator:
         self.placement = Placement()  # every rank's host and local rank: rank 0 only (learnt at start)
         self.gathers = 0
         self.met_at_finish = False  # the final gather had every rank: a last barrier cannot wait for the dead
+        self.skipped_at_finish = False  # some rank's open step at finish logged a non-finite loss
         self._next_gather = interval
         self.scheduled = False  # the first step boundary (or the first after a resume) has decided the key
         self._syncs_per_step = 1  # as rank 0 last told every rank (`gather.syncs_per_step`)
@@ -177,9 +178,13 @@ class Coordinator:
         """Set in the store by a rank whose scope was disabled (this launch and segment)."""
         return f"{self.store_prefix}/disabled"
 
-    def all_ranks_arrive(self, give_up: Callable[[], str | None] | None = None) -> str | None:
+    def all_ranks_arrive(
+        self, give_up: Callable[[], str | None] | None = None, skipped: bool = False
+    ) -> str | None:
         """Meet at the store first, so a rank that died or never finishes cannot hang the final gather. None
         when every rank arrived (the final gather may run); else why not, and this rank must not gather.
+        `skipped`: this rank's open step logged a NaN or Inf loss; `skipped_at_finish` says, once every rank
+        arrived, whether any rank's did (every rank then keeps its open step: `StepRecorder.skipped_at_end`).
 
         The ranks agree on one outcome, atomically (the store's compare-and-set): "all", set by the last rank
         to arrive, or "gave up", set by a rank that waited FINISH_WAIT_S. Whichever comes first holds for every
@@ -191,6 +196,8 @@ class Coordinator:
             return None
         key = f"{self.store_prefix}/finish"
         outcome_key = f"{key}/outcome"
+        if skipped:
+            store.set(f"{key}/skipped", "1")
         store.set(f"{key}/{self.rank}", "1")
         # One counter and one key to wait on, not W keys per rank: the store's work stays O(W) at any scale.
         outcome = None
@@ -210,6 +217,7 @@ class Coordinator:
             if outcome != _ALL and why is not None:
                 return why
         if outcome == _ALL:
+            self.skipped_at_finish = store.check([f"{key}/skipped"])  # (set before the arrival it came with)
             return None
         missing = [r for r in range(self.world_size) if not store.check([f"{key}/{r}"])]
         if missing:

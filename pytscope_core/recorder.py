@@ -36,14 +36,12 @@ def _any_nonfinite(values: list[Any]) -> bool:
     return any(v is not None and not math.isfinite(v) for v in to_floats(values))
 
 
-def skipped_untrained(marks: list[int], losses: list[Any], nonfinite: bool) -> bool:
+def skipped_untrained(marks: list[int], losses: list[Any]) -> bool:
     """Whether a step's batches were all skipped after their forward (a NaN guard's `continue`): forwards, a
-    loss logged (`nonfinite`: a NaN or Inf one), no backward. The loss is the rank's own: where ranks agree
-    to skip a batch whose loss is not finite on one of them, the others' losses are finite, so with more
-    ranks a step may end on it only where every rank decides alike (at the run's end, on any loss)."""
-    if not losses or _FORWARD_END not in marks or _BACKWARD_END in marks:
-        return False
-    return not nonfinite or _any_nonfinite(losses)
+    NaN or Inf loss logged, no backward. The loss is the rank's own: where ranks agree to skip a batch whose
+    loss is not finite on one of them, the others' losses are finite, so with more ranks a step may not end
+    on it (the ranks would end steps apart); at the run's end they decide together (`skipped_at_end`)."""
+    return _FORWARD_END in marks and _BACKWARD_END not in marks and _any_nonfinite(losses)
 
 
 def host_peak_rss() -> float:
@@ -147,20 +145,17 @@ class StepRecorder:
 
     def _ends_skipped_step(self) -> bool:
         """Whether the open step's batches were all skipped (`skipped_untrained`): it ends at this loop top, no
-        micro-batch trained (`untrained_step`), not at the run's end with every batch a guard skipped after it.
-        Off the hot path: only an open unstepped step (an accumulation window) asks, in a one-rank run."""
-        if skipped_untrained(self._marks, self._losses, nonfinite=True):
+        micro-batch trained (`untrained_step`). Off the hot path: an open unstepped step asks, alone only."""
+        if skipped_untrained(self._marks, self._losses):
             self._step_micro = 0
             self.untrained_step = self.steps_done
             return True
         return False
 
     def skipped_at_end(self) -> bool:
-        """Whether the open step, unstepped at the run's end, holds batches a NaN guard skipped: alone, a logged
-        NaN or Inf loss; with more ranks, `skipped_untrained` whatever the loss's value."""
-        if self.ends_skipped_steps:
-            return _any_nonfinite(self._losses)
-        return skipped_untrained(self._marks, self._losses, nonfinite=False)
+        """Whether the open step, unstepped at the run's end, logged a NaN or Inf loss: batches a NaN guard
+        skipped, to keep (`close`); with more ranks, if any rank's says so, every rank keeps its step."""
+        return self.in_step and not self._stepped and _any_nonfinite(self._losses)
 
     def drop_unstepped(self) -> None:
         """Forget the open step if its optimizer has not stepped: what opened it (a forward before the loop's
@@ -328,11 +323,11 @@ class StepRecorder:
 
     def close(self, keep_skipped: bool = False) -> None:
         """End of training: close the open step at its last mark if an optimizer step happened in it (not what
-        came after, as evaluation after a `break`) or, at the run's end (`keep_skipped`), if the loop skipped its
-        batches (`skipped_at_end`); else drop it, but count its gradient syncs and micro-batches."""
-        if not self._stepped and keep_skipped and self.in_step and self.skipped_at_end():
-            if _BACKWARD_END not in self._marks:
-                self._step_micro = 0  # none of its batches trained
+        came after, as evaluation after a `break`) or, `keep_skipped` (`skipped_at_end` on some rank), if it
+        ran a forward or logged a loss; else drop it, but count its gradient syncs and micro-batches."""
+        kept = keep_skipped and self.in_step and (_FORWARD_END in self._marks or bool(self._losses))
+        if kept and not self._stepped:
+            self._step_micro *= _BACKWARD_END in self._marks  # (without a backward, none of them trained)
             self._stepped = True
         if self._stepped:
             self._close_step(at_last_mark=True)

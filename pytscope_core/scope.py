@@ -296,10 +296,9 @@ class Scope:
         if self._at_exit is not None:
             atexit.unregister(self._at_exit)
         try:
-            self.recorder.close(keep_skipped=True)
             if self.enabled and self.recorder.window and not self._started:
                 self.start()
-            if self.session is not None:
+            if self.session is not None:  # (it closes the open step: with more ranks, as they decide)
                 self.summary = end(self.session)
         except Exception as exc:
             self.fail(exc)

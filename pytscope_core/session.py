@@ -230,6 +230,15 @@ class RunSession:
         if self._watchdog is not None:
             self._watchdog.status = "finished"
         if scope.enabled:
+            keep = (
+                scope.recorder.skipped_at_end()
+            )  # this rank's say on its open step, or, meeting, any rank's
+            absent = None
+            if coordinator.distributed and dist_alive():
+                give_up = functools.partial(left_mid_training, scope) if forgotten else None
+                absent = coordinator.all_ranks_arrive(give_up, keep)
+                keep = keep if absent is not None else coordinator.skipped_at_finish
+            scope.recorder.close(keep_skipped=keep)
             if coordinator.distributed and not dist_alive():
                 scope.note(
                     ("finish() was not called; at exit" if forgotten else "finish() ran after")
@@ -242,14 +251,10 @@ class RunSession:
                 coordinator.gatherer = None
                 if self.rank != 0:  # rank 0 writes its own below, as a process of its own
                     self.own_rows.flush("finish() after the process group was destroyed")
-            elif coordinator.distributed:
-                absent = coordinator.all_ranks_arrive(
-                    functools.partial(left_mid_training, scope) if forgotten else None
-                )
-                if absent is not None:
-                    scope.note(absent, error=True)
-                    self.own_rows.flush(absent if LEFT in absent else "finish without every rank")
-                    coordinator.gatherer = None
+            elif absent is not None:
+                scope.note(absent, error=True)
+                self.own_rows.flush(absent if LEFT in absent else "finish without every rank")
+                coordinator.gatherer = None
             if coordinator.distributed or self.rank == 0:
                 self.gather(final=True)
                 coordinator.met_at_finish = coordinator.distributed  # every rank took part in that gather
@@ -257,6 +262,7 @@ class RunSession:
 
     def stop(self, reason: str) -> Any:
         """End without meeting the other ranks: this rank's rows go to its own file; rank 0 reports."""
+        self.scope.recorder.close(keep_skipped=self.scope.recorder.skipped_at_end())
         self.stop_watching()
         self.own_rows.flush(reason)
         # (Not an error of the scope's: the training ended it, e.g. an exception or Ctrl-C in fit().)

@@ -83,13 +83,18 @@ def _main(rank: int, world: int, port: int, o: dict[str, Any]) -> None:
         if rank == 0 and o.get("eval_every") and step % o["eval_every"] == 0:
             with scope.paused():  # evaluation on rank 0 only, as many DDP scripts do
                 spin(o["eval_ms"])
+        logs = o.get("log_only_on", rank) == rank  # (a loop may log its loss on one rank only)
         if step in o.get("nan_guard_at", ()):  # the last rank's loss is NaN: every rank agrees to skip
             loss = F.cross_entropy(ddp(x * (math.nan if slow else 1.0)), y)
-            scope.log(loss=loss)
+            if logs:
+                scope.log(loss=loss)
             finite = torch.isfinite(loss.detach()).float().reshape(1)
             dist.all_reduce(finite, op=dist.ReduceOp.MIN)
             if not finite.item():
                 continue
+        if step == o.get("break_at"):  # a forward and its loss logged, then the loop ends
+            scope.log(loss=F.cross_entropy(ddp(x), y))
+            break
         if o.get("skip_sync_at") == step and slow:
             with ddp.no_sync():
                 loss = F.cross_entropy(ddp(x), y)
@@ -105,7 +110,8 @@ def _main(rank: int, world: int, port: int, o: dict[str, Any]) -> None:
         if not (slow and step == o.get("skip_step_at")):  # a rank-local guard (`if loss.isfinite()`)
             opt.step()
         opt.zero_grad()
-        scope.log(loss=loss)
+        if logs:
+            scope.log(loss=loss)
         if slow and o.get(
             "spin_after_ms"
         ):  # after its optimizer step: the others wait in the next collective

@@ -1332,3 +1332,17 @@ def test_a_loss_falling_steadily_by_a_few_percent_is_improving_not_stalled():
     assert trend.trend == "improving" and -0.06 < trend.relative_change < -0.03, trend
     flat = loss_trend(1.37 + rng.normal(0, 0.01, steps.size))  # the same noise with no fall stays flat
     assert flat.trend == "flat", flat
+
+
+def test_timing_statistics_leave_out_batches_skipped_after_their_forward_only_where_forwards_are_seen():
+    from pytscope_core.analysis.timing import statistics_steps
+    from pytscope_core.arrays import RunArrays
+
+    rows = np.zeros((6, NCOLS))
+    rows[:, COL["step"]] = np.arange(1, 7)
+    rows[:, COL["micro_batches"]] = [1, 1, 0, 0, 1, 1]  # steps 3-4: a NaN guard's batches (forward alone)
+    rows[:, COL["optimizer_steps"]] = [1, 1, 0, 0, 0, 1]  # step 5: the GradScaler skipped it (trained)
+    arrays = RunArrays.from_rows(rows, warmup=0)
+    assert statistics_steps(arrays).tolist() == [True, True, False, False, True, True]
+    rows[:, COL["micro_batches"]] = 0  # no forward seen (no model watched): every step is one that trained
+    assert statistics_steps(RunArrays.from_rows(rows, warmup=0)).all()

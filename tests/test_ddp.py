@@ -53,19 +53,27 @@ def test_busy_waiting_rank_is_named_and_its_wait_is_not_communication(tmp_path):
     assert s["distributed"]["transfer_ms"] < fast["comm_ms"] - 0.6 * lag
 
 
-@pytest.mark.parametrize("to_end", [False, True])
-def test_batches_every_rank_skips_on_one_ranks_nan_loss_are_no_desync(tmp_path, to_end):
-    # The last rank's loss is NaN at steps 6-8 (or from 36 to the end) and every rank skips the batch (the flag
-    # all-reduced). Ending the step there on that rank alone, as a one-rank run does, put it steps ahead of
-    # the other: a false DIST.DESYNC under DDP, and a hang where the gathers follow optimizer steps; and a
-    # last step kept at the end on that rank alone was a false DIST.DESYNC too.
-    skipped = range(36, 41) if to_end else range(6, 9)
-    ddp_worker.run(2, dict(run_dir=str(tmp_path), steps=40, nan_guard_at=list(skipped), interval=10))
+@pytest.mark.parametrize(
+    "case, options, steps, kept",
+    [
+        ("for a while", dict(nan_guard_at=[6, 7, 8]), 37, 5),
+        ("to the end", dict(nan_guard_at=[36, 37, 38, 39, 40]), 36, 35),
+        ("to the end, logged there only", dict(nan_guard_at=[36, 37, 38, 39, 40], log_only_on=1), 36, 35),
+        ("no NaN: a forward, then break", dict(break_at=30), 29, None),
+    ],
+)
+def test_batches_every_rank_skips_on_one_ranks_nan_loss_are_no_desync(tmp_path, case, options, steps, kept):
+    # The last rank's loss is NaN and every rank skips the batch (the flag all-reduced). Ending the step there
+    # on that rank alone, as a one-rank run does, put it steps ahead of the other: a false DIST.DESYNC under
+    # DDP, and a hang where the gathers follow optimizer steps. At the end the unstepped step is kept on every
+    # rank where any rank's loss in it was not finite (it was kept on that rank alone: a false DESYNC), and
+    # on none without one (a forward after which the loop ended is not a step).
+    ddp_worker.run(2, dict(run_dir=str(tmp_path), steps=40, interval=10, **options))
     arrays = load_run(tmp_path).arrays
-    assert arrays.n_steps == 37 - to_end and np.isfinite(arrays.wall_ms).all()  # the same steps on both
-    at = 35 if to_end else 5  # (where the skipped batches are: the last step, or with the next step's batch)
-    assert np.isinf(arrays.loss[at, 1]) and np.isfinite(arrays.loss[at, 0])
-    assert arrays.optimizer_steps[at].tolist() == [1.0 - to_end] * 2
+    assert arrays.n_steps == steps and np.isfinite(arrays.wall_ms).all()  # the same steps on both ranks
+    if kept is not None:  # the skipped batches: with the next step's batch, or a last step of their own
+        assert np.isinf(arrays.loss[kept, 1]) and not np.isinf(arrays.loss[kept, 0])
+        assert arrays.optimizer_steps[kept].tolist() == [float(kept < steps - 1)] * 2
     assert "DIST.DESYNC" not in codes(report(tmp_path), ("HIGH", "MED", "LOW"))
 
 

@@ -83,8 +83,9 @@ def few_steps_note(steps_counted: int) -> str | None:
 
 def statistics_steps(arrays: RunArrays) -> np.ndarray:
     """Steps the statistics use: the counted ones that trained, or all of them when a short run is still in
-    warm-up. A step with no micro-batch and no optimizer step on any rank is a batch a NaN guard skipped
-    after its forward: a fraction of a step's work, which would pull the median down and read as jitter."""
+    warm-up. A step with no micro-batch and no optimizer step on any rank, in a run that counts micro-batches
+    (its forwards are seen), is batches a NaN guard skipped after their forward: a fraction of a step's work,
+    which would pull the median down and read as jitter."""
     counted = np.asarray(arrays.counted, dtype=bool)
     trained = counted & trained_steps(arrays)
     if trained.any():
@@ -93,9 +94,13 @@ def statistics_steps(arrays: RunArrays) -> np.ndarray:
 
 
 def trained_steps(arrays: RunArrays) -> np.ndarray:
-    """(S,) bool: some rank counted a micro-batch or an optimizer step in the step."""
+    """(S,) bool: some rank counted a micro-batch or an optimizer step in the step; every step where no
+    forward is seen (no model watched, or compiled after `watch()`), as a step the GradScaler skipped there."""
     with np.errstate(invalid="ignore"):
-        trained = (arrays.micro_batches > 0) | (arrays.optimizer_steps > 0)
+        micro = arrays.micro_batches > 0
+        if not micro.any():
+            return np.ones(arrays.n_steps, dtype=bool)
+        trained = micro | (arrays.optimizer_steps > 0)
     return np.asarray(trained.any(axis=1), dtype=bool)
 
 
