@@ -31,10 +31,18 @@ FINISH_POLL_S = 0.2
 _ALL, _GAVE_UP = b"all", b"gave up"  # the outcomes of the meeting at finish
 
 
-def store_prefix(segment: int) -> str:
-    """The scope's keys in the job's store, for this launch and segment: torchrun's store outlives a restart
-    of its workers, and a restarted launch must not read the last one's hang flag or disabled mark."""
-    return f"{STORE_PREFIX}/{os.environ.get(RESTART_ENV, '0')}/{segment}"
+def store_prefix(segment: int, run: int = 0) -> str:
+    """The scope's keys in the job's store, for this launch, run and segment: torchrun's store outlives a
+    restart of its workers, and a restarted launch must not read the last one's hang flag or disabled mark;
+    nor may a second run in one process group (another `fit()`, a sweep) read the first one's meeting at
+    finish. `run`: `next_run_number()`, taken by rank 0."""
+    return f"{STORE_PREFIX}/{os.environ.get(RESTART_ENV, '0')}/{run}/{segment}"
+
+
+def next_run_number() -> int:
+    """A number no other scope of this job has had (a counter in the job's store), 0 without one."""
+    store = default_store()
+    return int(store.add(f"{STORE_PREFIX}/runs", 1)) if store is not None else 0
 
 
 class PeerDisabled(RuntimeError):
@@ -80,8 +88,8 @@ class Coordinator:
 
             try:  # the scope's first collectives: every rank meets here, or, with a scope on some only, none
                 self.gatherer = Gatherer(self.gather_timeout, capacity=self.interval)
-                chosen = place_run(run_dir, segment) if self.rank == 0 else None
-                path, segment = self.gatherer.broadcast_object(chosen)
+                chosen = (*place_run(run_dir, segment), next_run_number()) if self.rank == 0 else None
+                path, segment, run = self.gatherer.broadcast_object(chosen)
             except Exception as exc:
                 if "timeout" not in str(exc).lower() and "timed out" not in str(exc).lower():
                     raise
@@ -89,7 +97,7 @@ class Coordinator:
                     f"the other ranks did not start a scope within gather_timeout ({self.gather_timeout:.0f} s): "
                     "create it on every process, at a point every process reaches"
                 ) from exc
-            self.store_prefix = store_prefix(segment)
+            self.store_prefix = store_prefix(segment, run)
             places = self.gatherer.gather_places(*local_place())
             if places is not None:
                 self.placement = Placement.of(places)
@@ -184,7 +192,7 @@ class Coordinator:
         """Meet at the store first, so a rank that died or never finishes cannot hang the final gather. None
         when every rank arrived (the final gather may run); else why not, and this rank must not gather.
         `skipped`: this rank's open step logged a NaN or Inf loss; `skipped_at_finish` says, once every rank
-        arrived, whether any rank's did (every rank then keeps its open step: `StepRecorder.skipped_at_end`).
+        arrived, whether any rank's did (every rank then keeps its open step: `StepRecorder.close`).
 
         The ranks agree on one outcome, atomically (the store's compare-and-set): "all", set by the last rank
         to arrive, or "gave up", set by a rank that waited FINISH_WAIT_S. Whichever comes first holds for every

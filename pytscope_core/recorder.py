@@ -105,7 +105,7 @@ class StepRecorder:
         self._label: int | None = None
         self.last_label: int | None = None  # the last closed step's label
         self._fingerprint: Any = None
-        self.untrained_step = -1  # steps_done while the last step that `_ends_skipped_step` ended was open
+        self.untrained_step = -1  # steps_done while the last step that `_end_if_skipped` ended was open
         self.ends_skipped_steps = False  # a one-rank run: a step ends on its own loss (`skipped_untrained`)
 
     # -- hot path -------------------------------------------------------------------------------------
@@ -117,7 +117,7 @@ class StepRecorder:
     def loop_top(self, mark: int) -> None:
         """A mark where a new iteration may begin (fetching data, or the forward when no loader is watched):
         the step whose optimizer has stepped closes here, and the next one opens with `mark`."""
-        if self._stepped or self.ends_skipped_steps and self.in_step and self._ends_skipped_step():
+        if self._stepped or (self.ends_skipped_steps and self.in_step and self._end_if_skipped()):
             self._close_step()
             if (self.grad_syncs if self.notify_on_syncs else self.steps_done) >= self.notify_at:
                 if self.on_step_closed is not None:
@@ -143,10 +143,11 @@ class StepRecorder:
         self._label = None
         self._fingerprint = None
 
-    def _ends_skipped_step(self) -> bool:
-        """Whether the open step's batches were all skipped (`skipped_untrained`): it ends at this loop top, no
-        micro-batch trained (`untrained_step`). Off the hot path: an open unstepped step asks, alone only."""
-        if skipped_untrained(self._marks, self._losses):
+    def _end_if_skipped(self) -> bool:
+        """If the open step's batches were all skipped (`skipped_untrained`), it ends at this loop top, no
+        micro-batch trained (`untrained_step`). Asked in one-rank runs, by an open unstepped step, where the
+        recorder numbers the steps (Lightning's, numbered by `global_step`, end where it advances)."""
+        if self._label is None and skipped_untrained(self._marks, self._losses):
             self._step_micro = 0
             self.untrained_step = self.steps_done
             return True
@@ -327,7 +328,8 @@ class StepRecorder:
         ran a forward or logged a loss; else drop it, but count its gradient syncs and micro-batches."""
         kept = keep_skipped and self.in_step and (_FORWARD_END in self._marks or bool(self._losses))
         if kept and not self._stepped:
-            self._step_micro *= _BACKWARD_END in self._marks  # (without a backward, none of them trained)
+            if _BACKWARD_END not in self._marks:
+                self._step_micro = 0  # none of its batches trained
             self._stepped = True
         if self._stepped:
             self._close_step(at_last_mark=True)

@@ -230,15 +230,16 @@ class RunSession:
         if self._watchdog is not None:
             self._watchdog.status = "finished"
         if scope.enabled:
-            keep = (
-                scope.recorder.skipped_at_end()
-            )  # this rank's say on its open step, or, meeting, any rank's
-            absent = None
+            # The open step, unstepped, with a non-finite loss on this rank is kept before the meeting (a
+            # SIGTERM while waiting writes it); with one on any rank, it is kept on every rank after it.
+            recorder, absent = scope.recorder, None
+            skipped = recorder.skipped_at_end()
+            if skipped:
+                recorder.close(keep_skipped=True)
             if coordinator.distributed and dist_alive():
                 give_up = functools.partial(left_mid_training, scope) if forgotten else None
-                absent = coordinator.all_ranks_arrive(give_up, keep)
-                keep = keep if absent is not None else coordinator.skipped_at_finish
-            scope.recorder.close(keep_skipped=keep)
+                absent = coordinator.all_ranks_arrive(give_up, skipped)
+            recorder.close(keep_skipped=absent is None and coordinator.skipped_at_finish)
             if coordinator.distributed and not dist_alive():
                 scope.note(
                     ("finish() was not called; at exit" if forgotten else "finish() ran after")

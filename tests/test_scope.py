@@ -1132,6 +1132,16 @@ def test_a_loss_gone_nan_for_good_behind_a_nan_guard_is_reported(tmp_path, clear
     (found,) = [f for f in summary.findings if f.code == "CONVERGENCE.NONFINITE"]
     assert found.title == "The loss became non-finite at step 31 and never recovered", found.title
     assert summary.timing.steps_counted == 30 - 5  # a forward alone is not a step's work: not in statistics
+    warmup_s = run.arrays.wall_ms[:5, 0].sum() / 1e3  # (nor warm-up)
+    assert summary.efficiency.goodput.warmup_s == pytest.approx(warmup_s)
+
+
+def test_every_scope_of_a_job_has_keys_of_its_own_in_the_store(one_rank_group):
+    # A second run in one process group (another fit(), a sweep) read the first one's meeting at finish.
+    from pytscope_core.coordinator import next_run_number, store_prefix
+
+    first, second = next_run_number(), next_run_number()
+    assert second > first and store_prefix(0, first) != store_prefix(0, second)
 
 
 def test_batches_a_nan_guard_skips_under_ddp_are_steps_that_neither_sync_nor_train(tmp_path, one_rank_group):

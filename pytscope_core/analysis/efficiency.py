@@ -20,7 +20,7 @@ from ..context import RunContext
 from ..records import COL
 from . import stats
 from .distributed import DistributedTiming
-from .timing import StepTiming
+from .timing import StepTiming, counted_steps
 
 OPTIMIZER_HEAVY_SHARE = 0.25
 """The optimizer line is recoverable from a quarter of the step on: an optimizer step is needed work, but one
@@ -186,5 +186,5 @@ def efficiency(
         budget=lines,
         recoverable_share=float(sum(line.share for line in lines if line.recoverable)),
         mfu=mfu(ctx, timing),
-        goodput=goodput(arrays, ctx, wall, sel),
+        goodput=goodput(arrays, ctx, wall, counted_steps(arrays)),  # (skipped batches are not warm-up)
     )

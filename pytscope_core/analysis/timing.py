@@ -81,27 +81,29 @@ def few_steps_note(steps_counted: int) -> str | None:
     )
 
 
-def statistics_steps(arrays: RunArrays) -> np.ndarray:
-    """Steps the statistics use: the counted ones that trained, or all of them when a short run is still in
-    warm-up. A step with no micro-batch and no optimizer step on any rank, in a run that counts micro-batches
-    (its forwards are seen), is batches a NaN guard skipped after their forward: a fraction of a step's work,
-    which would pull the median down and read as jitter."""
+def counted_steps(arrays: RunArrays) -> np.ndarray:
+    """Steps past warm-up, or all of them when a short run is still in warm-up."""
     counted = np.asarray(arrays.counted, dtype=bool)
-    trained = counted & trained_steps(arrays)
-    if trained.any():
-        return trained
     return counted if counted.any() else np.ones(arrays.n_steps, dtype=bool)
 
 
+def statistics_steps(arrays: RunArrays) -> np.ndarray:
+    """Steps the statistics use: the counted ones that trained (`trained_steps`), else the counted ones. A
+    step with no micro-batch and no optimizer step on any rank is batches a NaN guard skipped after their
+    forward: a fraction of a step's work, which would pull the median down and read as jitter."""
+    counted = counted_steps(arrays)
+    trained = counted & trained_steps(arrays)
+    return trained if trained.any() else counted
+
+
 def trained_steps(arrays: RunArrays) -> np.ndarray:
-    """(S,) bool: some rank counted a micro-batch or an optimizer step in the step; every step where no
-    forward is seen (no model watched, or compiled after `watch()`), as a step the GradScaler skipped there."""
-    with np.errstate(invalid="ignore"):
-        micro = arrays.micro_batches > 0
-        if not micro.any():
-            return np.ones(arrays.n_steps, dtype=bool)
-        trained = micro | (arrays.optimizer_steps > 0)
-    return np.asarray(trained.any(axis=1), dtype=bool)
+    """(S,) bool: some rank counted a micro-batch or an optimizer step in the step. In a run where no forward
+    is seen (no model watched, or one compiled after `watch()`: no micro-batch anywhere), every step: a step
+    the GradScaler skipped there ran its forward and backward all the same."""
+    micro = arrays.micro_batches > 0  # (NaN, a rank without the step: False)
+    if not micro.any():
+        return np.ones(arrays.n_steps, dtype=bool)
+    return np.asarray((micro | (arrays.optimizer_steps > 0)).any(axis=1), dtype=bool)
 
 
 def step_wall_ms(arrays: RunArrays) -> np.ndarray:
