@@ -1,4 +1,4 @@
-"""A tiny real DDP job for the multi-process tests: gloo ranks spawned by torch.multiprocessing.
+"""A tiny real DDP job for the multi-process tests: gloo ranks forked from tests/forked.py's server.
 
 Options inject one behaviour at a time, always by busy-waiting (never sleeping): a slow rank, a rank that
 blocks at one step, a rank whose every step is slow but progressing, a rank that skips one gradient sync,
@@ -15,15 +15,13 @@ import signal
 import time
 from typing import Any
 
-import torch.multiprocessing as mp
+import forked
 
 from pytscope_core.demo import free_port, spin
 
 
 def run(world: int, options: dict[str, Any]) -> None:
-    mp.start_processes(
-        _main, args=(world, free_port(), options), nprocs=world, start_method="spawn", join=True
-    )
+    forked.start(_main, (world, free_port(), options), world)
 
 
 def _main(rank: int, world: int, port: int, o: dict[str, Any]) -> None:
@@ -138,7 +136,7 @@ def _layers(batchnorm: bool = False) -> list[Any]:
     return [torch.nn.Linear(32, 256), *norm, torch.nn.ReLU(), torch.nn.Linear(256, 4)]
 
 
-def TwoHeads() -> Any:  # noqa: N802 - a class, built where torch is imported (in the spawned process)
+def TwoHeads() -> Any:  # noqa: N802 - a class, built where torch is imported (in the rank's process)
     import torch
 
     class Model(torch.nn.Module):

@@ -1,4 +1,4 @@
-"""A small real FSDP2 job for the multi-process tests: gloo ranks spawned by torch.multiprocessing.
+"""A small real FSDP2 job for the multi-process tests: gloo ranks forked from tests/forked.py's server.
 
 By default two `fully_shard` units (one block and the root) and Adam, sized so that compute dominates the step
 on 2 shared cores: about 190 ms per step, of which gloo's all-gathers and reduce-scatters (about 4 ms each on
@@ -19,8 +19,8 @@ import statistics
 import time
 from typing import Any
 
+import forked
 import torch
-import torch.multiprocessing as mp
 
 from pytscope_core.demo import free_port, spin
 
@@ -31,9 +31,7 @@ BATCH = 2048
 
 
 def run(world: int, options: dict[str, Any]) -> None:
-    mp.start_processes(
-        _main, args=(world, free_port(), options), nprocs=world, start_method="spawn", join=True
-    )
+    forked.start(_main, (world, free_port(), options), world)
 
 
 def make_model(wrapper: str, width: int = WIDTH, n_blocks: int = BLOCKS, repeat: int = REPEAT) -> Any:

@@ -13,13 +13,13 @@ import os
 from pathlib import Path
 from typing import Any
 
-import torch.multiprocessing as mp
+import forked
 
 from pytscope_core.demo import free_port
 
 
 def run(options: dict[str, Any]) -> None:
-    mp.start_processes(_main, args=(free_port(), options), nprocs=2, start_method="spawn", join=True)
+    forked.start(_main, (free_port(), options), 2)
 
 
 def _main(rank: int, port: int, o: dict[str, Any]) -> None:

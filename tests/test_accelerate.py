@@ -93,7 +93,9 @@ def test_busy_rank_is_the_only_straggler(tmp_path: Path, dynamo_backend: str | N
     assert [f["ranks"] for f in straggler] == [[1]]
     per_rank = {r["rank"]: r for r in s["distributed"]["per_rank"]}
     lag = per_rank[1]["local_ms"] - per_rank[0]["local_ms"]
-    assert lag > 4.0  # 10 ms of busy-waiting per step on rank 1 (less on shared cores)
+    # 10 ms of busy-waiting per step on rank 1: about 9 ms on a quiet machine, 3.9 ms once with a third
+    # CPU-bound process on the 2 cores (it slowed rank 0's own work). A wait counted as local work gives 0.
+    assert lag > 2.5
     # The fast rank's wait for the straggler is billed as sync wait, not as transfer: the transfer estimate
     # is what the last rank to arrive pays. (Whether that transfer crosses DIST.COMM_BOUND's 20% depends on
     # how fast gloo is on the machine, so the test does not assert on that finding.)
@@ -409,7 +411,8 @@ def test_waits_in_the_loops_own_collectives_are_sync_wait_and_the_straggler_name
     local = {r["rank"]: r["local_ms"] for r in dist["per_rank"]}
     wait = {r["rank"]: r["sync_wait_ms"] for r in dist["per_rank"]}
     lag = local[1] - local[0]
-    assert lag > 4.0 and wait[0] > 0.6 * lag and wait[1] < 0.2 * wait[0], dist
+    assert lag > 2.5, dist  # (2.5: as in test_busy_rank_is_the_only_straggler)
+    assert wait[0] > 0.6 * lag and wait[1] < 0.2 * wait[0], dist
     assert json.loads(result.read_text())["collectives_as_they_were"]  # finish() put them back
 
 

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import forked
 import numpy as np
 import pytest
 
@@ -41,14 +42,7 @@ def _free_port() -> int:
 
 def _run(script: Path, *args: Any, cwd: Path, scope_fails: bool = False) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, str(script), *map(str, args)],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
+    proc = forked.run([sys.executable, str(script), *map(str, args)], cwd=cwd, env=env, timeout=180)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
     assert ("scope disabled" in proc.stderr) == scope_fails, proc.stderr[-4000:]
     return proc
