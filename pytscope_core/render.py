@@ -218,6 +218,12 @@ def render_convergence(summary: Summary) -> RenderableType:
                 else f"; finite again after it ({c.nonfinite_steps} non-finite step(s) in all)"
             )
         )
+    if c.skipped is not None:
+        x = c.skipped
+        lines.append(
+            f"optimizer skipped {x.steps} of {x.counted} steps past warm-up (first at step {x.first_step})"
+            + (f"; none trained from step {x.tail_step} to the end" if x.tail_step is not None else "")
+        )
     return Group(_section("Convergence"), *(Text(line) for line in lines))
 
 

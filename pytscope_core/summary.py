@@ -175,6 +175,7 @@ class Summary:
                 ],
                 "plateau": _fields(c.plateau),
                 "rise": _fields(c.rise),
+                "skipped_steps": _fields(c.skipped),
             },
             "efficiency": {
                 "budget": [

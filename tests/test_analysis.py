@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import math
 
 import numpy as np
 import pytest
@@ -1208,7 +1209,9 @@ def test_one_nan_on_the_last_step_after_which_the_optimizer_never_stepped_is_whe
     assert a.convergence.trend.trend == "non-finite" and a.convergence.nonfinite_tail is not None
     (found,) = [f for f in run_rules(a) if f.code == "CONVERGENCE.NONFINITE"]
     assert "never recovered" in found.title
-    assert "(1 step(s) with a non-finite loss, and the optimizer never stepped again)" in found.detail
+    assert (
+        "(1 step(s) with a non-finite loss, and no optimizer step updated the weights again)" in found.detail
+    )
     stepped[-1, 1] = 1.0  # one rank's optimizer stepped after it: one NaN the run ended on, as above
     a = analyze(
         RunArrays.from_arrays(np.ones((200, 2, 6)), loss=loss, optimizer_steps=stepped),
@@ -1346,3 +1349,61 @@ def test_timing_statistics_leave_out_batches_skipped_after_their_forward_only_wh
     assert statistics_steps(arrays).tolist() == [True, True, False, False, True, True]
     rows[:, COL["micro_batches"]] = 0  # no forward seen (no model watched): every step is one that trained
     assert statistics_steps(RunArrays.from_rows(rows, warmup=0)).all()
+
+
+def _stepping(
+    ranks: int, stepped: list[int], micro: list[int] | None = None, loss: list[float] | None = None
+):
+    """`len(stepped)` steps of 10 ms on `ranks` ranks: optimizer steps, micro-batches (1 each by default)
+    and a slowly falling loss (every rank alike unless given)."""
+    from pytscope_core.records import PHASES
+
+    n = len(stepped)
+    rows = np.zeros((ranks, n, NCOLS))
+    rows[:, :, COL["step"]] = np.arange(1, n + 1)
+    rows[:, :, COL["rank"]] = np.arange(ranks)[:, None]
+    rows[:, :, COL["wall_ms"]] = rows[:, :, COL[f"{PHASES[1]}_ms"]] = 10.0
+    rows[:, :, COL["optimizer_steps"]] = stepped
+    rows[:, :, COL["micro_batches"]] = micro if micro is not None else 1
+    rows[:, :, COL["loss"]] = loss if loss is not None else 2.0 - np.arange(n) / n
+    return rows.reshape(-1, NCOLS)
+
+
+def _skipped_findings(rows: np.ndarray, ranks: int = 1) -> list:
+    a = analyze(RunArrays.from_rows(rows), RunContext(world_size=ranks))
+    return [f for f in run_rules(a, strict=True) if f.code == "CONVERGENCE.SKIPPED_STEPS"]
+
+
+def test_steps_no_optimizer_step_trained_with_a_finite_loss_are_reported():
+    # A GradScaler skipping every step from step 151 on (gradients NaN, loss finite): the run stopped training.
+    (f,) = _skipped_findings(_stepping(1, [1] * 150 + [0] * 50))
+    assert f.severity == Severity.HIGH and f.steps == (151,) and f.evidence["tail_steps"] == 50
+    assert "since step 151" in f.title
+    # A Lightning training_step returning None: Lightning still calls optimizer.step, on no gradient.
+    (f,) = _skipped_findings(_stepping(1, [1] * 200, micro=[1] * 150 + [0] * 50))
+    assert f.severity == Severity.HIGH and f.steps == (151,)
+    # Every 5th step skipped, training between them: a share of the run, not its end.
+    (f,) = _skipped_findings(_stepping(2, [0 if i % 5 == 4 else 1 for i in range(200)]), ranks=2)
+    assert (
+        f.severity == Severity.MED
+        and f.evidence["skipped_steps"] == 39
+        and f.evidence["counted_steps"] == 195
+    )
+    assert f.title == "The optimizer skipped 39 of 195 steps"
+
+
+def test_skipped_steps_that_are_no_finding():
+    # A healthy fp16 run: the scaler's calibration in warm-up and one skip later; a tail too short to tell.
+    assert _skipped_findings(_stepping(1, [0, 0, 0] + [1] * 100 + [0] + [1] * 96)) == []
+    assert _skipped_findings(_stepping(1, [1] * 191 + [0] * 9)) == []
+    # A non-finite loss is CONVERGENCE.NONFINITE's (it says whether the optimizer stepped again).
+    loss = [1.0] * 150 + [math.inf] * 50
+    assert _skipped_findings(_stepping(1, [1] * 150 + [0] * 50, loss=loss)) == []
+    # No optimizer watched: no step is recorded anywhere.
+    assert _skipped_findings(_stepping(1, [0] * 200)) == []
+    # One rank stepped where the other did not: DIST.DESYNC's, not a step that trained nothing.
+    rows = _stepping(2, [1] * 200)
+    rows[200 + 150 :, COL["optimizer_steps"]] = 0
+    assert _skipped_findings(rows, ranks=2) == []
+    # A run recorded before the optimizer_steps column (NaN): nothing to tell.
+    assert _skipped_findings(_stepping(1, [math.nan] * 200)) == []

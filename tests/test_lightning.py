@@ -467,6 +467,21 @@ def test_steps_follow_lightning_global_step(tmp_path: Path) -> None:
     assert nonfinite and nonfinite[0]["steps"] == [40], nonfinite
 
 
+def test_a_nan_guard_that_returns_none_for_good_is_a_run_that_stopped_training(tmp_path: Path) -> None:
+    # From global_step 30 the loss is NaN and training_step returns None: Lightning skips each batch's backward
+    # and its optimizer still steps, on no gradient. The callback sees no loss from there on (a rank's loss
+    # that stops for good reads as non-finite) and no backward: the weights never changed again.
+    run_dir = tmp_path / "run"
+    _run(JOB, "--run-dir", run_dir, "--steps", 60, "--interval", 20, "--guard-from", 30, cwd=tmp_path)
+    rows = read_rows(run_dir)
+    assert rows[:, COL["micro_batches"]].tolist() == [1] * 30 + [0] * 30
+    assert (rows[:, COL["optimizer_steps"]] == 1).all()
+    findings = _summary(run_dir)["findings"]
+    (nonfinite,) = [f for f in findings if f["code"] == "CONVERGENCE.NONFINITE"]
+    assert nonfinite["steps"] == [30] and "no optimizer step updated the weights again" in nonfinite["detail"]
+    assert "CONVERGENCE.SKIPPED_STEPS" not in _codes(_summary(run_dir))  # (said once, by NONFINITE)
+
+
 def test_a_training_step_that_fetches_its_own_batches_is_timed_step_by_step(tmp_path: Path) -> None:
     # `training_step(self, dataloader_iter)`: Lightning's fetch hooks run inside the step, after the batch
     # starts. Steps were labelled one ahead, the last one lost, and the forward charged to `other`.

@@ -1043,6 +1043,43 @@ def test_steps_the_optimizer_skipped_are_steps_and_a_loss_gone_nan_for_good_is_s
     assert "CONVERGENCE.NONFINITE" in {f.code for f in summary.findings}
 
 
+def test_a_scaler_that_skips_every_step_on_nan_gradients_under_a_finite_loss_is_reported(tmp_path, capsys):
+    # From batch 30 the loss gains a term whose value is 0 and whose gradient is NaN (sqrt at 0): the loss
+    # stays finite, the GradScaler skips every step, the weights never change again. No loss finding can say
+    # so: the loss is finite and flat.
+    model = torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1.0)
+    loader = DataLoader(TensorDataset(torch.randn(240, 8), torch.randn(240, 1)), batch_size=4)
+    scope = Scope(tmp_path, hang_timeout=None, interval=10, warmup=0)
+    scope.watch(model, opt, loader)
+    for i, (x, y) in enumerate(loader):
+        opt.zero_grad()
+        out = model(x)
+        loss = torch.nn.functional.mse_loss(out, y)
+        if i >= 30:
+            loss = loss + torch.sqrt(0.0 * out.sum())
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        scope.log(loss=loss)
+    scope.finish()
+    console = " ".join(capsys.readouterr().out.split())  # (rich wraps long lines)
+    run = load_run(tmp_path)
+    assert run.arrays.optimizer_steps[:, 0].tolist() == [1.0] * 30 + [0.0] * 30
+    assert np.isfinite(run.arrays.loss).all()
+    first_skipped = int(run.arrays.steps[30])
+    found = {f.code: f for f in summarize(run.arrays, run.context).findings}
+    skipped = found["CONVERGENCE.SKIPPED_STEPS"]
+    assert skipped.severity.name == "HIGH" and skipped.steps == (first_skipped,)
+    assert "CONVERGENCE.NONFINITE" not in found
+    # Said live (from the report at step 50: ten in a row by then) and in the summary's convergence section.
+    title = f"No optimizer step has trained the model since step {first_skipped}"
+    assert title not in console[: console.index("pytscope step 50:")]  # (at step 40: nine in a row)
+    assert console.index("pytscope step 50:") < console.index(title) < console.index("Run summary")
+    assert f"none trained from step {first_skipped} to the end" in console
+
+
 @pytest.mark.parametrize("model_watched", [True, False])
 def test_a_step_the_scaler_skipped_is_one_in_the_order_of_the_amp_recipe(tmp_path, model_watched):
     # PyTorch's AMP recipe clears gradients first thing in each iteration: after the watched loader's fetch,

@@ -22,6 +22,7 @@ import numpy as np
 
 from ..arrays import RunArrays
 from . import stats
+from .timing import counted_steps
 
 TREND_MIN_STEPS = 100
 """Fewer finite counted steps than this and the trend is "unknown": too few blocks to estimate noise."""
@@ -150,6 +151,7 @@ class Convergence:
     nonfinite_steps: int = 0  # steps in which some rank's loss was non-finite
     nonfinite_tail: NonfiniteTail | None = None  # where it stayed non-finite to the end (`nonfinite_tail`)
     nonfinite_last_steps: int = 0  # the run's last steps with a non-finite loss, too few for a tail
+    skipped: SkippedSteps | None = None  # steps that trained nothing, with a finite loss (`skipped_steps`)
 
 
 def loss_per_step(arrays: RunArrays) -> np.ndarray:
@@ -408,12 +410,20 @@ def nonfinite_tail(nonfinite: np.ndarray, loss: np.ndarray) -> tuple[int, int] |
 
 
 def never_stepped_from(arrays: RunArrays, step: int) -> bool:
-    """No rank's optimizer stepped from `step` to the run's end: the weights the non-finite loss came from
-    never changed again (a NaN guard skipping every batch since, one step that closed at the end; a scaler
-    skipping every step), so the loss did not recover, however few steps that was."""
+    """No step updated the weights from `step` to the run's end (`weights_updated`): the weights the
+    non-finite loss came from never changed again (a NaN guard skipping every batch since, one step that
+    closed at the end; a scaler skipping every step), so the loss did not recover, however few steps that was."""
     since = arrays.steps >= step
-    stepped = np.nan_to_num(np.asarray(arrays.optimizer_steps)[since])
-    return bool(since.any()) and not (stepped > 0).any()
+    return bool(since.any()) and not weights_updated(arrays)[since].any()
+
+
+def weights_updated(arrays: RunArrays) -> np.ndarray:
+    """(S,) bool: some rank's optimizer stepped in the step and, in a run where backwards are seen, some rank
+    ran one (a Lightning training_step that returns None skips the backward, and its optimizer still steps,
+    on no gradient)."""
+    stepped = (np.nan_to_num(np.asarray(arrays.optimizer_steps, dtype=np.float64)) > 0).any(axis=1)
+    micro = np.nan_to_num(np.asarray(arrays.micro_batches, dtype=np.float64)) > 0
+    return np.asarray(stepped & micro.any(axis=1) if micro.any() else stepped)
 
 
 def never_finite_again(arrays: RunArrays, bad: np.ndarray, step: int) -> tuple[int, ...]:
@@ -429,6 +439,60 @@ def never_finite_again(arrays: RunArrays, bad: np.ndarray, step: int) -> tuple[i
     last_finite = np.where(finite.any(axis=0), s - 1 - finite[::-1].argmax(axis=0), -1)
     stuck = bad.any(axis=0) & (last_bad > last_finite)
     return tuple(int(arrays.ranks[j]) for j in np.flatnonzero(stuck))
+
+
+SKIPPED_TAIL_MIN = 10
+"""Steps in a row at the end of a run in which no optimizer stepped before the run reads as having stopped
+training: a GradScaler halves its scale at each step it skips, so ten in a row are gradients still inf or NaN
+at 1/1024 of the scale (an fp16 run's calibration skips a few in a row, and only at its start)."""
+SKIPPED_MIN_SHARE = 0.1
+SKIPPED_MIN_STEPS = 10
+"""Skipped steps anywhere past warm-up that make a finding: 10% of the counted steps and at least 10. A healthy
+fp16 run's GradScaler skips about one step in its growth interval (2,000 steps by default) after warm-up."""
+
+
+@dataclass(frozen=True)
+class SkippedSteps:
+    """Steps in which no rank's optimizer stepped (or none trained: forwards seen, no backward) while no
+    rank's loss was non-finite (those are CONVERGENCE.NONFINITE's): a GradScaler skipping steps whose gradients
+    hold inf or NaN, a guard on the gradient norm, a Lightning training_step that returned None."""
+
+    steps: int  # skipped steps past warm-up
+    counted: int  # steps past warm-up
+    first_step: int  # the first skipped step (warm-up included)
+    last_step: int
+    tail_step: int | None = None  # from here to the end no step trained: SKIPPED_TAIL_MIN steps or more
+    tail_steps: int = 0
+
+
+def skipped_steps(arrays: RunArrays, counted: np.ndarray, nonfinite: np.ndarray) -> SkippedSteps | None:
+    """The run's skipped steps (see `SkippedSteps`), None when there are too few to report (`SKIPPED_*`) or
+    no optimizer step is recorded at all (none watched). `counted`: (S,) bool, the steps past warm-up;
+    `nonfinite`: (S,) bool, some rank's loss was non-finite (`any_rank`)."""
+    if not (np.nan_to_num(np.asarray(arrays.optimizer_steps, dtype=np.float64)) > 0).any():
+        return None
+    trained = weights_updated(arrays)
+    skipped = ~trained & ~nonfinite
+    if not skipped.any():
+        return None
+    tail = trained | nonfinite
+    last_trained = int(tail.size - 1 - tail[::-1].argmax()) if tail.any() else -1
+    tail_steps = skipped.size - 1 - last_trained
+    in_counted = int(np.count_nonzero(skipped & counted))
+    n_counted = int(np.count_nonzero(counted))
+    if tail_steps < SKIPPED_TAIL_MIN and (
+        in_counted < SKIPPED_MIN_STEPS or in_counted < SKIPPED_MIN_SHARE * max(n_counted, 1)
+    ):
+        return None
+    at = np.flatnonzero(skipped)
+    return SkippedSteps(
+        steps=in_counted,
+        counted=n_counted,
+        first_step=int(arrays.steps[at[0]]),
+        last_step=int(arrays.steps[at[-1]]),
+        tail_step=int(arrays.steps[last_trained + 1]) if tail_steps >= SKIPPED_TAIL_MIN else None,
+        tail_steps=tail_steps if tail_steps >= SKIPPED_TAIL_MIN else 0,
+    )
 
 
 class LossHistory(NamedTuple):
@@ -468,14 +532,14 @@ def convergence(
         # the other ranks are the mean of fewer ranks, computed with poisoned weights.
         sel_all = sel_all & (steps < tail_step)
     counted = per_step[sel_all]
-    counted_steps = steps[sel_all]
-    rise = rise_start(counted, counted_steps)
+    counted_at = steps[sel_all]
+    rise = rise_start(counted, counted_at)
     # A plateau bounds its tail's change by a share of the fall before it, which after a large fall admits a
     # tail that rose significantly: that tail is a rise, not a plateau.
     flat_from = plateau_start(counted) if rise is None else None
     plateau = None
     if flat_from is not None:
-        finite_steps = counted_steps[np.isfinite(counted)]
+        finite_steps = counted_at[np.isfinite(counted)]
         start, change, bound, fall = flat_from
         plateau = Plateau(int(finite_steps[start]), int(finite_steps.size - start), change, bound, fall)
     before = math.nan
@@ -504,4 +568,5 @@ def convergence(
         nonfinite_steps=int(np.count_nonzero(nonfinite)),
         nonfinite_tail=tail,
         nonfinite_last_steps=at[1] if at is not None and tail is None else 0,
+        skipped=skipped_steps(arrays, counted_steps(arrays), any_rank(bad)),
     )

@@ -808,7 +808,7 @@ def nonfinite(a: RunAnalysis) -> list[Finding]:
         course = (
             f" {f'The loss of rank(s) {format_ranks(tail.ranks)}' if some else 'The loss'} stayed non-finite "
             f"from step {tail.step} to the end ({tail.steps} step(s) with a non-finite loss"
-            + ("" if tail.stepped else ", and the optimizer never stepped again")
+            + ("" if tail.stepped else ", and no optimizer step updated the weights again")
             + ")"
             + ("; the other ranks' finite losses do not mean that it trained." if some else ".")
         )
@@ -839,6 +839,56 @@ def nonfinite(a: RunAnalysis) -> list[Finding]:
             ),
             ranks=c.nonfinite_ranks,
             steps=(c.nonfinite_step,),
+            evidence=evidence,
+        )
+    ]
+
+
+@rule("CONVERGENCE.SKIPPED_STEPS")
+def skipped_steps(a: RunAnalysis) -> list[Finding]:
+    """Steps no optimizer step trained while the loss stayed finite (`convergence.skipped_steps`, floors
+    there): HIGH when none trained from some step to the end, MED for a large share of the run."""
+    x = a.convergence.skipped
+    if x is None:
+        return []
+    causes = (
+        "a GradScaler skips every step whose gradients hold inf or NaN (with a finite loss: an op whose "
+        "backward is not finite, as sqrt or a norm at 0, or an fp16 overflow in the backward only); a guard "
+        "that skips the step on the gradient norm; a Lightning training_step that returned None"
+    )
+    evidence = {
+        "skipped_steps": float(x.steps),
+        "counted_steps": float(x.counted),
+        "first_step": float(x.first_step),
+    }
+    if x.tail_step is not None:
+        evidence |= {"tail_step": float(x.tail_step), "tail_steps": float(x.tail_steps)}
+        severity = Severity.HIGH
+        title = f"No optimizer step has trained the model since step {x.tail_step}"
+        detail = (
+            f"From step {x.tail_step} to step {x.last_step} ({x.tail_steps} steps) no rank's optimizer stepped "
+            "on a backward, while the loss stayed finite: the weights have not changed since."
+        )
+    else:
+        severity = Severity.MED
+        title = f"The optimizer skipped {x.steps} of {x.counted} steps"
+        detail = (
+            f"{_pct(x.steps / x.counted)} of the steps past warm-up trained nothing (no rank's optimizer stepped "
+            f"on a backward) while the loss stayed finite; the first at step {x.first_step}, the last at step "
+            f"{x.last_step}."
+        )
+    return [
+        Finding(
+            code="CONVERGENCE.SKIPPED_STEPS",
+            severity=severity,
+            title=title,
+            detail=f"{detail} Causes: {causes}.",
+            recommendation=(
+                f"Find the first non-finite gradient: from a checkpoint before step {x.first_step}, check each "
+                "parameter's .grad with torch.isfinite after the backward (or run a few steps under "
+                "torch.autograd.detect_anomaly()); under fp16, try bf16; where a guard skips, log why."
+            ),
+            steps=(x.tail_step if x.tail_step is not None else x.first_step,),
             evidence=evidence,
         )
     ]

@@ -71,6 +71,10 @@ class Job(pl.LightningModule):
             self.log("synced_loss", loss, sync_dist=True)  # an all-reduce inside the step's forward
         if self.args.inf_from and self.global_step >= self.args.inf_from:
             loss = loss * float("inf")  # what TensorBoard shows at this global_step
+        if self.args.guard_from and self.global_step >= self.args.guard_from:
+            loss = loss * float("nan")
+            if not torch.isfinite(loss):
+                return None  # a NaN guard: Lightning skips the batch (and still calls optimizer.step)
         if self.args.manual:
             return self._manual_step(loss, x, y)
         return {"loss": loss} if self.args.dict_output else loss
@@ -231,6 +235,12 @@ def main() -> None:
     p.add_argument("--raise-at", type=int, default=0, help="training_step raises at this global step")
     p.add_argument("--interrupt", action="store_true", help="--raise-at raises KeyboardInterrupt")
     p.add_argument("--inf-from", type=int, default=0, help="the loss is infinite from this global step on")
+    p.add_argument(
+        "--guard-from",
+        type=int,
+        default=0,
+        help="the loss is NaN from this global step on; the step returns None",
+    )
     p.add_argument("--manual", action="store_true", help="manual optimization with two optimizers")
     p.add_argument("--fits", type=int, default=1, help="fit this many times with the same callback")
     p.add_argument(
