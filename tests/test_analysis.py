@@ -1390,12 +1390,16 @@ def test_steps_no_optimizer_step_trained_with_a_finite_loss_are_reported():
         and f.evidence["counted_steps"] == 195
     )
     assert f.title == "The optimizer skipped 39 of 195 steps"
+    assert f.steps == (10,)  # the first past warm-up (step 5 is the fifth of its five steps)
 
 
 def test_skipped_steps_that_are_no_finding():
     # A healthy fp16 run: the scaler's calibration in warm-up and one skip later; a tail too short to tell.
     assert _skipped_findings(_stepping(1, [0, 0, 0] + [1] * 100 + [0] + [1] * 96)) == []
     assert _skipped_findings(_stepping(1, [1] * 191 + [0] * 9)) == []
+    # A GradScaler settling its scale on large gradients: 15 of a 100-step run's first 17 steps, then none.
+    calibrating = [0] * 5 + [1, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 1, 0] + [1] * 82
+    assert _skipped_findings(_stepping(1, calibrating)) == []
     # A non-finite loss is CONVERGENCE.NONFINITE's (it says whether the optimizer stepped again).
     loss = [1.0] * 150 + [math.inf] * 50
     assert _skipped_findings(_stepping(1, [1] * 150 + [0] * 50, loss=loss)) == []
@@ -1405,5 +1409,7 @@ def test_skipped_steps_that_are_no_finding():
     rows = _stepping(2, [1] * 200)
     rows[200 + 150 :, COL["optimizer_steps"]] = 0
     assert _skipped_findings(rows, ranks=2) == []
-    # A run recorded before the optimizer_steps column (NaN): nothing to tell.
+    # A run recorded before the optimizer_steps column (NaN): nothing to tell; nor of its steps in a run that
+    # holds both.
     assert _skipped_findings(_stepping(1, [math.nan] * 200)) == []
+    assert _skipped_findings(_stepping(1, [math.nan] * 100 + [1] * 100)) == []

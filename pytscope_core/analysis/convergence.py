@@ -447,20 +447,24 @@ training: a GradScaler halves its scale at each step it skips, so ten in a row a
 at 1/1024 of the scale (an fp16 run's calibration skips a few in a row, and only at its start)."""
 SKIPPED_MIN_SHARE = 0.1
 SKIPPED_MIN_STEPS = 10
-"""Skipped steps anywhere past warm-up that make a finding: 10% of the counted steps and at least 10. A healthy
-fp16 run's GradScaler skips about one step in its growth interval (2,000 steps by default) after warm-up."""
+"""Skipped steps in the second half of the steps past warm-up that make a finding: 10% of them and at least
+10. A healthy fp16 run's GradScaler skips about one step in its growth interval (2,000 steps by default) once
+its scale has settled; while it settles, at the start, it skips more (15 of a 100-step run's first 17 steps,
+with large gradients): the second half leaves those out."""
 
 
 @dataclass(frozen=True)
 class SkippedSteps:
     """Steps in which no rank's optimizer stepped (or none trained: forwards seen, no backward) while no
     rank's loss was non-finite (those are CONVERGENCE.NONFINITE's): a GradScaler skipping steps whose gradients
-    hold inf or NaN, a guard on the gradient norm, a Lightning training_step that returned None."""
+    hold inf or NaN, a guard that skips the step, a Lightning training_step that returned None."""
 
     steps: int  # skipped steps past warm-up
     counted: int  # steps past warm-up
-    first_step: int  # the first skipped step (warm-up included)
-    last_step: int
+    late_steps: int  # skipped steps in the second half of those
+    late_counted: int
+    first_step: int  # the first skipped step past warm-up (the tail's first where none is)
+    last_step: int  # the last skipped step
     tail_step: int | None = None  # from here to the end no step trained: SKIPPED_TAIL_MIN steps or more
     tail_steps: int = 0
 
@@ -469,28 +473,35 @@ def skipped_steps(arrays: RunArrays, counted: np.ndarray, nonfinite: np.ndarray)
     """The run's skipped steps (see `SkippedSteps`), None when there are too few to report (`SKIPPED_*`) or
     no optimizer step is recorded at all (none watched). `counted`: (S,) bool, the steps past warm-up;
     `nonfinite`: (S,) bool, some rank's loss was non-finite (`any_rank`)."""
-    if not (np.nan_to_num(np.asarray(arrays.optimizer_steps, dtype=np.float64)) > 0).any():
+    optimizer_steps = np.asarray(arrays.optimizer_steps, dtype=np.float64)
+    if not (np.nan_to_num(optimizer_steps) > 0).any():
         return None
     trained = weights_updated(arrays)
-    skipped = ~trained & ~nonfinite
+    # (A step whose optimizer steps were not recorded, NaN on every rank, is not known to be skipped.)
+    skipped = np.isfinite(optimizer_steps).any(axis=1) & ~trained & ~nonfinite
     if not skipped.any():
         return None
-    tail = trained | nonfinite
-    last_trained = int(tail.size - 1 - tail[::-1].argmax()) if tail.any() else -1
-    tail_steps = skipped.size - 1 - last_trained
-    in_counted = int(np.count_nonzero(skipped & counted))
-    n_counted = int(np.count_nonzero(counted))
+    ended = trained | nonfinite
+    last_ended = int(ended.size - 1 - ended[::-1].argmax()) if ended.any() else -1
+    tail_steps = skipped.size - 1 - last_ended
+    at = np.flatnonzero(counted)
+    late = np.zeros_like(counted)
+    late[at[at.size // 2 :]] = True
+    n_late, late_counted = int(np.count_nonzero(skipped & late)), int(np.count_nonzero(late))
     if tail_steps < SKIPPED_TAIL_MIN and (
-        in_counted < SKIPPED_MIN_STEPS or in_counted < SKIPPED_MIN_SHARE * max(n_counted, 1)
+        n_late < SKIPPED_MIN_STEPS or n_late < SKIPPED_MIN_SHARE * max(late_counted, 1)
     ):
         return None
-    at = np.flatnonzero(skipped)
+    tail_step = int(arrays.steps[last_ended + 1]) if tail_steps >= SKIPPED_TAIL_MIN else None
+    first = np.flatnonzero(skipped & counted)
     return SkippedSteps(
-        steps=in_counted,
-        counted=n_counted,
-        first_step=int(arrays.steps[at[0]]),
-        last_step=int(arrays.steps[at[-1]]),
-        tail_step=int(arrays.steps[last_trained + 1]) if tail_steps >= SKIPPED_TAIL_MIN else None,
+        steps=int(first.size),
+        counted=int(at.size),
+        late_steps=n_late,
+        late_counted=late_counted,
+        first_step=int(arrays.steps[first[0]]) if first.size else int(tail_step or arrays.steps[-1]),
+        last_step=int(arrays.steps[np.flatnonzero(skipped)[-1]]),
+        tail_step=tail_step,
         tail_steps=tail_steps if tail_steps >= SKIPPED_TAIL_MIN else 0,
     )
 

@@ -852,13 +852,15 @@ def skipped_steps(a: RunAnalysis) -> list[Finding]:
     if x is None:
         return []
     causes = (
-        "a GradScaler skips every step whose gradients hold inf or NaN (with a finite loss: an op whose "
-        "backward is not finite, as sqrt or a norm at 0, or an fp16 overflow in the backward only); a guard "
-        "that skips the step on the gradient norm; a Lightning training_step that returned None"
+        "a GradScaler skips each step whose gradients hold inf or NaN (with a finite loss: an op whose backward "
+        "is not finite, as sqrt or a norm at 0, or an fp16 overflow in the backward only); a guard that skips "
+        "the optimizer step; a Lightning training_step that returned None"
     )
     evidence = {
         "skipped_steps": float(x.steps),
         "counted_steps": float(x.counted),
+        "late_skipped_steps": float(x.late_steps),
+        "late_counted_steps": float(x.late_counted),
         "first_step": float(x.first_step),
     }
     if x.tail_step is not None:
@@ -869,13 +871,23 @@ def skipped_steps(a: RunAnalysis) -> list[Finding]:
             f"From step {x.tail_step} to step {x.last_step} ({x.tail_steps} steps) no rank's optimizer stepped "
             "on a backward, while the loss stayed finite: the weights have not changed since."
         )
+        advice = (
+            f"Find the first non-finite gradient: from a checkpoint before step {x.tail_step}, check each "
+            "parameter's .grad with torch.isfinite after the backward (or run a few steps under "
+            "torch.autograd.detect_anomaly()); under fp16, try bf16; where a guard skips, log why."
+        )
     else:
         severity = Severity.MED
         title = f"The optimizer skipped {x.steps} of {x.counted} steps"
         detail = (
-            f"{_pct(x.steps / x.counted)} of the steps past warm-up trained nothing (no rank's optimizer stepped "
-            f"on a backward) while the loss stayed finite; the first at step {x.first_step}, the last at step "
-            f"{x.last_step}."
+            f"{_pct(x.steps / x.counted)} of the steps past warm-up ({_pct(x.late_steps / x.late_counted)} of "
+            "their second half) trained nothing (no rank's optimizer stepped on a backward) while the loss stayed "
+            f"finite; the first at step {x.first_step}, the last at step {x.last_step}."
+        )
+        advice = (
+            "A GradScaler that skips this often raises its scale into overflow again and again: raise its "
+            "growth_interval (or use bf16, which needs no scaler); where gradients are non-finite now and then, "
+            "find which parameter's .grad is (torch.isfinite after the backward); where a guard skips, log why."
         )
     return [
         Finding(
@@ -883,11 +895,7 @@ def skipped_steps(a: RunAnalysis) -> list[Finding]:
             severity=severity,
             title=title,
             detail=f"{detail} Causes: {causes}.",
-            recommendation=(
-                f"Find the first non-finite gradient: from a checkpoint before step {x.first_step}, check each "
-                "parameter's .grad with torch.isfinite after the backward (or run a few steps under "
-                "torch.autograd.detect_anomaly()); under fp16, try bf16; where a guard skips, log why."
-            ),
+            recommendation=advice,
             steps=(x.tail_step if x.tail_step is not None else x.first_step,),
             evidence=evidence,
         )
