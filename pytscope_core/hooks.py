@@ -228,6 +228,7 @@ class TorchHooks:
     def watch_optimizer(self, optimizer: Any, pre_hook: bool = True) -> None:
         """`pre_hook=False` where forward and backward run inside `step(closure)` (Lightning: marked there)."""
         inner = unwrap_optimizer(optimizer)
+        self.recorder.iteration_steps = False  # (steps end where an optimizer steps)
         if pre_hook:
             self._handles.append(inner.register_step_pre_hook(outside_compiled(self._optimizer_pre)))
         self._handles.append(inner.register_step_post_hook(outside_compiled(self._optimizer_post)))

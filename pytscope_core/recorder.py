@@ -107,6 +107,7 @@ class StepRecorder:
         self._fingerprint: Any = None
         self.untrained_step = -1  # steps_done while the last step that `_end_if_skipped` ended was open
         self.ends_skipped_steps = False  # a one-rank run: a step ends on its own loss (`skipped_untrained`)
+        self.iteration_steps = False  # no optimizer watched: a step is complete as it opens (one iteration)
 
     # -- hot path -------------------------------------------------------------------------------------
     def mark(self, mark: int) -> None:
@@ -116,7 +117,7 @@ class StepRecorder:
 
     def loop_top(self, mark: int) -> None:
         """A mark where a new iteration may begin (fetching data, or the forward when no loader is watched):
-        the step whose optimizer has stepped closes here, and the next one opens with `mark`."""
+        the step whose optimizer has stepped (any, under `iteration_steps`) closes, the next opens with `mark`."""
         if self._stepped or (self.ends_skipped_steps and self.in_step and self._end_if_skipped()):
             self._close_step()
             if (self.grad_syncs if self.notify_on_syncs else self.steps_done) >= self.notify_at:
@@ -140,8 +141,8 @@ class StepRecorder:
         self._samples = 0.0
         self._step_syncs = 0
         self._step_micro = 0
-        self._label = None
-        self._fingerprint = None
+        self._label = self._fingerprint = None
+        self._stepped = self.iteration_steps
 
     def _end_if_skipped(self) -> bool:
         """If the open step's batches were all skipped (`skipped_untrained`), it ends at this loop top, no
@@ -159,10 +160,10 @@ class StepRecorder:
         return self.in_step and not self._stepped and _any_nonfinite(self._losses)
 
     def drop_unstepped(self) -> None:
-        """Forget the open step if its optimizer has not stepped: what opened it (a forward before the loop's
-        first batch) was not the step's, and the loop top that follows opens it afresh."""
-        if self.in_step and not self._stepped:
-            self.in_step = False
+        """Forget the open step if its optimizer has not stepped (or none is watched): what opened it (a forward
+        before the loop's first batch) was not the step's, and the loop top that follows opens it afresh."""
+        if self.in_step and (not self._stepped or self.iteration_steps):
+            self.in_step = self._stepped = False
 
     @property
     def opened_at(self) -> int | None:
@@ -323,15 +324,15 @@ class StepRecorder:
         return self._as_closed(self.steps_done + 1, [*marks[:n], _STEP_END], [*stamps[:n], stamps[n - 1]])
 
     def close(self, keep_skipped: bool = False) -> None:
-        """End of training: close the open step at its last mark if an optimizer step happened in it (not what
-        came after, as evaluation after a `break`) or, `keep_skipped` (`skipped_at_end` on some rank), if it
-        ran a forward or logged a loss; else drop it, but count its gradient syncs and micro-batches."""
+        """End of training: close the open step at its last mark if an optimizer step (none watched: a forward)
+        happened in it (not evaluation after a `break`) or, `keep_skipped` (`skipped_at_end` on some rank), if
+        it ran a forward or logged a loss; else drop it, but count its gradient syncs and micro-batches."""
         kept = keep_skipped and self.in_step and (_FORWARD_END in self._marks or bool(self._losses))
         if kept and not self._stepped:
             if _BACKWARD_END not in self._marks:
                 self._step_micro = 0  # none of its batches trained
             self._stepped = True
-        if self._stepped:
+        if self._stepped and not (self.iteration_steps and _FORWARD_END not in self._marks):
             self._close_step(at_last_mark=True)
         elif self.in_step:
             self.grad_syncs += self._step_syncs

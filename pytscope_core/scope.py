@@ -67,6 +67,7 @@ class Scope:
         self.integration = integration
         self.flops = StepFlops(options.flops_per_step, options.warmup, precision, options.peak_flops)
         self.recorder = StepRecorder(clock=clock, step_origin=step_origin)
+        self.recorder.iteration_steps = True  # until an optimizer is watched
         self.recorder.on_step_closed = self._after_step
         self.recorder.on_first_step = self.start  # (so the watchdog watches step 1: a hang in it is common)
         self.hooks = TorchHooks(self.recorder, self.fail, self.note)

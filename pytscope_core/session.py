@@ -43,6 +43,12 @@ if TYPE_CHECKING:
 HANG_DRAIN_S = 5.0  # on a hang or SIGTERM, how long rank 0 waits for its ingest thread to write what it holds
 
 
+NO_OPTIMIZER = (
+    "no optimizer watched: each iteration of the loop is a step (gradient accumulation is not seen) and the "
+    "optimizer's time is counted as other; pass the optimizer to watch()"
+)
+
+
 class RunSession:
     """Gathers, the final gather and report, this rank's own rows, the watchdog and SIGTERM, for one scope."""
 
@@ -59,6 +65,8 @@ class RunSession:
         self._epoch_offset = time.time() - time.perf_counter()  # host perf_counter -> seconds since epoch
         if self.rank == 0:
             self._open_run()
+        if scope.recorder.iteration_steps:
+            scope.note(NO_OPTIMIZER)
         self._watchdog: Any = None
         self.own_rows = OwnRows(scope, self.run_dir, self._epoch_offset)
         self._sigterm = SigtermChain(self._on_sigterm)

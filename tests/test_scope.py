@@ -1043,6 +1043,36 @@ def test_steps_the_optimizer_skipped_are_steps_and_a_loss_gone_nan_for_good_is_s
     assert "CONVERGENCE.NONFINITE" in {f.code for f in summary.findings}
 
 
+@pytest.mark.parametrize("watched", ["model, loader", "model", "loader"])
+def test_with_no_optimizer_watched_each_iteration_is_a_step_and_the_report_says_so(tmp_path, watched):
+    # Steps end where an optimizer steps: with none watched, none ended and the run held no step at all (its
+    # report said "no loss was logged"). The loop steps its optimizer on every 2nd batch: not seen.
+    model = torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    loader = DataLoader(TensorDataset(torch.randn(80, 8), torch.randn(80, 1)), batch_size=4)
+    scope = Scope(tmp_path, console=False, hang_timeout=None, interval=8)
+    scope.watch(model if "model" in watched else None, None, loader if "loader" in watched else None)
+    if "loader" in watched:  # (with no loader watched, each forward is a loop top: this one would be a step)
+        model(torch.randn(2, 8))  # a forward before the loop (a shape check) is no step
+    for i, (x, y) in enumerate(loader):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        if i % 2:
+            opt.step()
+            opt.zero_grad()
+        scope.log(loss=loss)
+    scope.finish()
+    run = load_run(tmp_path)
+    assert run.arrays.n_steps == 20 and np.isfinite(run.arrays.loss).all()
+    assert (run.arrays.optimizer_steps == 0).all()
+    assert (run.arrays.micro_batches[:, 0] == (1 if "model" in watched else 0)).all()
+    summary = summarize(run.arrays, run.context)
+    assert any(
+        n.startswith("no optimizer watched: each iteration of the loop is a step")
+        for n in summary.scope_notes
+    )
+
+
 def test_a_scaler_that_skips_every_step_on_nan_gradients_under_a_finite_loss_is_reported(tmp_path, capsys):
     # From batch 30 the loss gains a term whose value is 0 and whose gradient is NaN (sqrt at 0): the loss
     # stays finite, the GradScaler skips every step, the weights never change again. No loss finding can say
