@@ -1046,7 +1046,8 @@ def test_steps_the_optimizer_skipped_are_steps_and_a_loss_gone_nan_for_good_is_s
 @pytest.mark.parametrize("watched", ["model, loader", "model", "loader"])
 def test_with_no_optimizer_watched_each_iteration_is_a_step_and_the_report_says_so(tmp_path, watched):
     # Steps end where an optimizer steps: with none watched, none ended and the run held no step at all (its
-    # report said "no loss was logged"). The loop steps its optimizer on every 2nd batch: not seen.
+    # report said "no loss was logged"). An iteration is a step once it did work (a forward, a logged loss):
+    # the fetch that ends an epoch is none. The loop steps its optimizer on every 2nd batch: not seen.
     model = torch.nn.Linear(8, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     loader = DataLoader(TensorDataset(torch.randn(80, 8), torch.randn(80, 1)), batch_size=4)
@@ -1054,23 +1055,26 @@ def test_with_no_optimizer_watched_each_iteration_is_a_step_and_the_report_says_
     scope.watch(model if "model" in watched else None, None, loader if "loader" in watched else None)
     if "loader" in watched:  # (with no loader watched, each forward is a loop top: this one would be a step)
         model(torch.randn(2, 8))  # a forward before the loop (a shape check) is no step
-    for i, (x, y) in enumerate(loader):
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        if i % 2:
-            opt.step()
-            opt.zero_grad()
-        scope.log(loss=loss)
+    for epoch in range(2):
+        for i, (x, y) in enumerate(loader):
+            if epoch == 0 and i == 10:
+                assert scope.state_dict()["step"] == 10  # (a checkpoint here: 10 iterations done, not 11)
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            if i % 2:
+                opt.step()
+                opt.zero_grad()
+            scope.log(loss=loss)
+            if epoch == 1 and i == 14:
+                break  # (after the iteration's work: it is a step)
     scope.finish()
     run = load_run(tmp_path)
-    assert run.arrays.n_steps == 20 and np.isfinite(run.arrays.loss).all()
+    assert run.arrays.n_steps == 35 and np.isfinite(run.arrays.loss).all()
     assert (run.arrays.optimizer_steps == 0).all()
     assert (run.arrays.micro_batches[:, 0] == (1 if "model" in watched else 0)).all()
     summary = summarize(run.arrays, run.context)
-    assert any(
-        n.startswith("no optimizer watched: each iteration of the loop is a step")
-        for n in summary.scope_notes
-    )
+    notes = " ".join(summary.scope_notes)
+    assert notes.count("no optimizer watched: each iteration of the loop is a step") == 1
 
 
 def test_a_scaler_that_skips_every_step_on_nan_gradients_under_a_finite_loss_is_reported(tmp_path, capsys):
