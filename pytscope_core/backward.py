@@ -146,7 +146,7 @@ class BackwardTimer:
             self._sync_pending = False
             # Unless no backward ran at all (the loop skipped the batch after an error on some rank): a
             # synced backward wrote the gradients on every rank, whichever parameters it reached. The
-            # forward's step may have ended since, with no backward (`StepRecorder._end_if_skipped`).
+            # forward's step may have ended since, with no backward (`StepRecorder._ends_unstepped`).
             if self._sync_step == self.recorder.untrained_step:
                 pass  # (not this step's micro-batch to take back either)
             elif not self._params or _grad_states(self._params) != self._grad_before:

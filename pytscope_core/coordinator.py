@@ -82,7 +82,8 @@ class Coordinator:
         if dist.is_available() and dist.is_initialized():
             self.rank = dist.get_rank()
             self.world_size = dist.get_world_size()
-        self.recorder.ends_skipped_steps = self.world_size == 1  # (a rank's own loss decides it)
+        # (A rank's own loss decides it in a one-rank run; with no optimizer watched, any iteration's work.)
+        self.recorder.ends_skipped_steps = self.world_size == 1 or self.recorder.iteration_steps
         if self.world_size > 1:
             from .gather import Gatherer
 

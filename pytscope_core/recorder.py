@@ -96,7 +96,7 @@ class StepRecorder:
         self.wants_fingerprint = False  # the open step is one whose first batch is fingerprinted
         self._marks: list[int] = []
         self._stamps: list[Any] = []
-        self._stepped = False  # the open step is complete: its optimizer stepped (see `iteration_steps`)
+        self._stepped = False
         self._host_start = 0
         self._losses: list[Any] = []  # every loss logged in the open step (a skipped step merges two)
         self._samples = 0.0
@@ -105,9 +105,9 @@ class StepRecorder:
         self._label: int | None = None
         self.last_label: int | None = None  # the last closed step's label
         self._fingerprint: Any = None
-        self.untrained_step = -1  # steps_done while the last step that `_end_if_skipped` ended was open
-        self.ends_skipped_steps = False  # a one-rank run: a step ends on its own loss (`skipped_untrained`)
-        self.iteration_steps = False  # no optimizer watched: a step (iteration) is complete once it did work
+        self.untrained_step = -1  # steps_done while the last skipped step `_ends_unstepped` ended was open
+        self.ends_skipped_steps = False  # an unstepped step may end at a loop top (`_ends_unstepped`)
+        self.iteration_steps = False  # no optimizer watched: a step is an iteration that did work
 
     # -- hot path -------------------------------------------------------------------------------------
     def mark(self, mark: int) -> None:
@@ -117,8 +117,8 @@ class StepRecorder:
 
     def loop_top(self, mark: int) -> None:
         """A mark where a new iteration may begin (fetching data, or the forward when no loader is watched):
-        the step that is complete (`_stepped`) closes here, and the next one opens with `mark`."""
-        if self._stepped or (self.ends_skipped_steps and self.in_step and self._end_if_skipped()):
+        the step whose optimizer has stepped closes here, and the next one opens with `mark`."""
+        if self._stepped or (self.ends_skipped_steps and self.in_step and self._ends_unstepped()):
             self._close_step()
             if (self.grad_syncs if self.notify_on_syncs else self.steps_done) >= self.notify_at:
                 if self.on_step_closed is not None:
@@ -143,9 +143,11 @@ class StepRecorder:
         self._step_micro = 0
         self._label = self._fingerprint = None
 
-    def _end_if_skipped(self) -> bool:
-        """If the open step's batches were all skipped (`skipped_untrained`), it ends here, no micro-batch trained
-        (`untrained_step`). One-rank runs, where the recorder numbers steps (Lightning's: at `global_step`)."""
+    def _ends_unstepped(self) -> bool:
+        """Whether the unstepped open step ends here: none watched, an iteration that did work (forward, loss);
+        in one-rank runs, batches all skipped (`skipped_untrained`; not Lightning's): none trained."""
+        if self.iteration_steps:
+            return _FORWARD_END in self._marks or bool(self._losses)
         if self._label is None and skipped_untrained(self._marks, self._losses):
             self._step_micro = 0
             self.untrained_step = self.steps_done
@@ -158,10 +160,10 @@ class StepRecorder:
         return self.in_step and not self._stepped and _any_nonfinite(self._losses)
 
     def drop_unstepped(self) -> None:
-        """Forget the open step if its optimizer has not stepped (or none is watched): what opened it (a forward
-        before the loop's first batch) was not the step's, and the loop top that follows opens it afresh."""
-        if self.in_step and (not self._stepped or self.iteration_steps):
-            self.in_step = self._stepped = False
+        """Forget the open step if its optimizer has not stepped: what opened it (a forward before the loop's
+        first batch) was not the step's, and the loop top that follows opens it afresh."""
+        if self.in_step and not self._stepped:
+            self.in_step = False
 
     @property
     def opened_at(self) -> int | None:
@@ -176,7 +178,6 @@ class StepRecorder:
             self._stamps.append(self._now())
             self._step_micro += 1
             self._samples += samples
-            self._stepped |= self.iteration_steps
 
     def optimizer_stepped(self) -> None:
         if self.in_step:
@@ -203,7 +204,6 @@ class StepRecorder:
         """A loss logged in the open step, one of those whose mean is the step's (see `step_losses`)."""
         if loss is not None:
             self._losses.append(loss)
-            self._stepped |= self.iteration_steps and self.in_step
 
     def set_fingerprint(self, fingerprint: Any) -> None:
         """The fingerprint of the open step's first batch (see `wants_fingerprint`)."""
@@ -257,7 +257,7 @@ class StepRecorder:
         """(optimizer steps, gradient syncs, micro-batches) done so far, counting the step that has just
         stepped but not yet closed (a checkpoint saved right after `optimizer.step()` includes it)."""
         steps, syncs, micro = self.steps_done, self.grad_syncs, self.micro_batches
-        if self._stepped:
+        if self._stepped or (self.iteration_steps and self.in_step and self._ends_unstepped()):
             return steps + 1, syncs + self._step_syncs, micro + self._step_micro
         return steps, syncs, micro
 
@@ -313,9 +313,9 @@ class StepRecorder:
         )
 
     def _stepped_snapshot(self) -> ClosedStep | None:
-        """The open step, if its optimizer has stepped (an open iteration, none watched, is not known done), as if
-        closed at its last mark (its next loop top never came: a hang, a signal). Copies; for another thread."""
-        if not (self.in_step and self._stepped) or self.iteration_steps:
+        """The open step, if its optimizer step is done, as if it had closed at its last mark (its next loop
+        top never came: a hang or a signal before it). Copies only; for another thread."""
+        if not (self.in_step and self._stepped):
             return None
         stamps, marks = list(self._stamps), list(self._marks)  # stamps first: each mark precedes its stamp
         n = min(len(marks), len(stamps))
@@ -324,15 +324,15 @@ class StepRecorder:
         return self._as_closed(self.steps_done + 1, [*marks[:n], _STEP_END], [*stamps[:n], stamps[n - 1]])
 
     def close(self, keep_skipped: bool = False) -> None:
-        """End of training: close the open step at its last mark if it is complete (`_stepped`; not what came
-        after, as evaluation after a `break`) or, `keep_skipped` (`skipped_at_end` on some rank), if it
-        ran a forward or logged a loss; else drop it, but count its gradient syncs and micro-batches."""
+        """End of training: close the open step at its last mark if an optimizer step happened in it (not what
+        came after, as evaluation after a `break`; none watched: if it did work) or, `keep_skipped`, if it ran a
+        forward or logged a loss (`skipped_at_end` on some rank); else drop it, but count its syncs and micro."""
         kept = keep_skipped and self.in_step and (_FORWARD_END in self._marks or bool(self._losses))
         if kept and not self._stepped:
             if _BACKWARD_END not in self._marks:
                 self._step_micro = 0  # none of its batches trained
             self._stepped = True
-        if self._stepped:
+        if self._stepped or (self.iteration_steps and self.in_step and self._ends_unstepped()):
             self._close_step(at_last_mark=True)
         elif self.in_step:
             self.grad_syncs += self._step_syncs
