@@ -83,7 +83,7 @@ class Coordinator:
             self.rank = dist.get_rank()
             self.world_size = dist.get_world_size()
         # (A rank's own loss decides it in a one-rank run; with no optimizer watched, any iteration's work.)
-        self.recorder.ends_skipped_steps = self.world_size == 1 or self.recorder.iteration_steps
+        self.recorder.ends_unstepped = self.world_size == 1 or self.recorder.iteration_steps
         if self.world_size > 1:
             from .gather import Gatherer
 

@@ -36,6 +36,11 @@ def _any_nonfinite(values: list[Any]) -> bool:
     return any(v is not None and not math.isfinite(v) for v in to_floats(values))
 
 
+def did_work(marks: list[int], losses: list[Any]) -> bool:
+    """Whether a step ran a forward or logged a loss."""
+    return _FORWARD_END in marks or bool(losses)
+
+
 def skipped_untrained(marks: list[int], losses: list[Any]) -> bool:
     """Whether a step's batches were all skipped after their forward (a NaN guard's `continue`): forwards, a
     NaN or Inf loss logged, no backward. The loss is the rank's own: where ranks agree to skip a batch whose
@@ -106,7 +111,7 @@ class StepRecorder:
         self.last_label: int | None = None  # the last closed step's label
         self._fingerprint: Any = None
         self.untrained_step = -1  # steps_done while the last skipped step `_ends_unstepped` ended was open
-        self.ends_skipped_steps = False  # an unstepped step may end at a loop top (`_ends_unstepped`)
+        self.ends_unstepped = False  # an unstepped step may end at a loop top (`_ends_unstepped`)
         self.iteration_steps = False  # no optimizer watched: a step is an iteration that did work
 
     # -- hot path -------------------------------------------------------------------------------------
@@ -118,7 +123,7 @@ class StepRecorder:
     def loop_top(self, mark: int) -> None:
         """A mark where a new iteration may begin (fetching data, or the forward when no loader is watched):
         the step whose optimizer has stepped closes here, and the next one opens with `mark`."""
-        if self._stepped or (self.ends_skipped_steps and self.in_step and self._ends_unstepped()):
+        if self._stepped or (self.ends_unstepped and self.in_step and self._ends_unstepped()):
             self._close_step()
             if (self.grad_syncs if self.notify_on_syncs else self.steps_done) >= self.notify_at:
                 if self.on_step_closed is not None:
@@ -147,7 +152,7 @@ class StepRecorder:
         """Whether the unstepped open step ends here: none watched, an iteration that did work (forward, loss);
         in one-rank runs, batches all skipped (`skipped_untrained`; not Lightning's): none trained."""
         if self.iteration_steps:
-            return _FORWARD_END in self._marks or bool(self._losses)
+            return did_work(self._marks, self._losses)
         if self._label is None and skipped_untrained(self._marks, self._losses):
             self._step_micro = 0
             self.untrained_step = self.steps_done
@@ -327,7 +332,7 @@ class StepRecorder:
         """End of training: close the open step at its last mark if an optimizer step happened in it (not what
         came after, as evaluation after a `break`; none watched: if it did work) or, `keep_skipped`, if it ran a
         forward or logged a loss (`skipped_at_end` on some rank); else drop it, but count its syncs and micro."""
-        kept = keep_skipped and self.in_step and (_FORWARD_END in self._marks or bool(self._losses))
+        kept = keep_skipped and self.in_step and did_work(self._marks, self._losses)
         if kept and not self._stepped:
             if _BACKWARD_END not in self._marks:
                 self._step_micro = 0  # none of its batches trained

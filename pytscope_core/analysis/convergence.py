@@ -499,7 +499,7 @@ def skipped_steps(arrays: RunArrays, counted: np.ndarray, nonfinite: np.ndarray)
         counted=int(at.size),
         late_steps=n_late,
         late_counted=late_counted,
-        first_step=int(arrays.steps[first[0]]) if first.size else int(tail_step or arrays.steps[-1]),
+        first_step=int(arrays.steps[first[0]] if first.size else arrays.steps[last_ended + 1]),
         last_step=int(arrays.steps[np.flatnonzero(skipped)[-1]]),
         tail_step=tail_step,
         tail_steps=tail_steps if tail_steps >= SKIPPED_TAIL_MIN else 0,
