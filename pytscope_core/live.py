@@ -149,9 +149,10 @@ class LiveDiagnosis:
             self._cost_s = self._clock() - now
 
     def add(self, finding: Finding, step: int) -> None:
-        """A finding an integration made itself (e.g. DATA.UNEVEN_SHARDS): kept, printed and stored."""
+        """A finding an integration made itself (e.g. DATA.UNEVEN_SHARDS): kept (its latest word, as the run
+        reads them back), printed and stored."""
         with self._lock:
-            self.extra_findings.append(finding)
+            self.extra_findings = [f for f in self.extra_findings if f.key != finding.key] + [finding]
             self._reported[finding.key] = finding.severity
             self.reporter.findings([finding], step, source="integration")
 

@@ -16,13 +16,23 @@ class BatchHooks(Protocol):
     def next_batch(self, it: Iterator[Any]) -> Any: ...
 
 
+class LoaderNotWatchable(TypeError):
+    """The loader's class cannot be given a subclass in place: a built-in iterable (a list, a generator,
+    `itertools.cycle`) or an object without a `__dict__`."""
+
+
 def watch_loader(loader: Any, hooks: BatchHooks) -> Callable[[], None] | None:
     """Route `loader`'s batches through `hooks.next_batch`; returns what undoes it (None if already
-    watched)."""
+    watched). Raises `LoaderNotWatchable`, leaving `loader` as it was, where that cannot be done."""
     base = type(loader)
     if getattr(base, "_pytscope_watched", False):
         return None
-    _set_class(loader, _watched_class(base))
+    if not isinstance(getattr(loader, "__dict__", None), dict):
+        raise LoaderNotWatchable(f"a {base.__name__} has no __dict__")
+    try:
+        _set_class(loader, _watched_class(base))
+    except TypeError as exc:  # (a built-in class: not a base, or its instances' class is fixed)
+        raise LoaderNotWatchable(str(exc)) from None
     loader.__dict__["_pytscope_hooks"] = hooks
 
     def undo() -> None:

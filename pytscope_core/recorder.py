@@ -102,7 +102,7 @@ class StepRecorder:
         self._marks: list[int] = []
         self._stamps: list[Any] = []
         self._stepped = False
-        self._host_start = 0
+        self.host_start_ns = 0  # host clock at the open (or last) step's loop top, 0 before the first step
         self._losses: list[Any] = []  # every loss logged in the open step (a skipped step merges two)
         self._samples = 0.0
         self._step_syncs = 0
@@ -113,6 +113,8 @@ class StepRecorder:
         self.untrained_step = -1  # steps_done while the last skipped step `_ends_unstepped` ended was open
         self.ends_unstepped = False  # an unstepped step may end at a loop top (`_ends_unstepped`)
         self.iteration_steps = False  # no optimizer watched: a step is an iteration that did work
+        self.long_step_marks = sys.maxsize  # an open step, unstepped, with this many marks at a loop top is
+        self.on_long_step: Callable[[list[int]], None] | None = None  # shown to this (`untrained.py`)
 
     # -- hot path -------------------------------------------------------------------------------------
     def mark(self, mark: int) -> None:
@@ -130,6 +132,8 @@ class StepRecorder:
                     self.on_step_closed()  # may gather (or stop the recorder): the next step starts after it
         elif self.in_step:
             self.mark(mark)
+            if len(self._marks) >= self.long_step_marks and self.on_long_step is not None:
+                self.on_long_step(self._marks)
             return
         if self.on_first_step is not None:  # before the step's first stamp: its time is not the step's
             start, self.on_first_step = self.on_first_step, None
@@ -139,7 +143,7 @@ class StepRecorder:
         now = self._now()
         self.in_step = True
         self.wants_fingerprint = self.steps_done & 7 == 0  # every 8th step, the same steps on every rank
-        self._host_start = now if self._host_clock else self._host_ns()
+        self.host_start_ns = now if self._host_clock else self._host_ns()
         self._marks = [mark]  # a step's first mark is its loop top: its stamp is the step's start
         self._stamps = [now]
         self._losses = []
@@ -233,11 +237,6 @@ class StepRecorder:
         self.in_step = self.wants_fingerprint = self._stepped = False
         self._marks, self._stamps = [], []
 
-    @property
-    def host_start_ns(self) -> int:
-        """Host clock at the open (or last) step's loop top, 0 before the first step."""
-        return self._host_start
-
     def step_label(self, steps_done: int) -> int:
         """The number the framework shows for the `steps_done`-th optimizer step (1-based count)."""
         return steps_done - 1 + self.step_origin
@@ -305,7 +304,7 @@ class StepRecorder:
             ClosedStep,
             (
                 steps_done - 1 + self.step_origin if self._label is None else self._label,  # step_label
-                self._host_start,
+                self.host_start_ns,
                 marks,
                 stamps,
                 self._losses,

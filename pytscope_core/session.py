@@ -33,6 +33,7 @@ from .records import COL
 from .rundir import run_warmup
 from .shards import uneven_shards_finding
 from .signals import SigtermChain
+from .untrained import UntrainedAlert
 
 # (imported now: it binds the clocks early)
 from .watchdog import AUTO_MIN_S, AUTO_STEP_FACTOR, AUTO_WARMUP_S, Watchdog, left_waiting, position
@@ -59,6 +60,7 @@ class RunSession:
         self.rank = scope.coordinator.rank
         self.reporter: Any = None
         self.live: Any = None
+        self.untrained: UntrainedAlert | None = None  # rank 0: batches that run on without an optimizer step
         self.ingest: Any = None  # rank 0: ingest.BackgroundIngest
         self.gather_ms: list[float] = []  # each gather: resolving the window and the exchange, every rank
         self.traffic: list[tuple[int, int]] = []  # each gather: payload bytes (sent, received) on this rank
@@ -112,6 +114,7 @@ class RunSession:
         if placement.known:  # every launch: a resumed run may land on other hosts
             self.reporter.learnt(**placement.to_meta())
         self.ingest = BackgroundIngest(self.live, threaded=scope.coordinator.world_size > 1)
+        self.untrained = UntrainedAlert(scope.recorder, self.live.add)
         self.reporter.messages(scope.errors, scope.notes)  # those from before the run existed (in watch())
         if scope.flops.learnt:
             self.reporter.learnt(**scope.flops.take_learnt())
@@ -229,6 +232,8 @@ class RunSession:
             self.ingest.submit(Gathered(ex.headers, ex.rows, gathers, step, final, scalars, learnt))
             if not threaded:  # diagnosed in place (one process): this gather's, on the training thread
                 self.live.publish_metrics(step)
+            if self.untrained is not None:
+                self.untrained.ended()
 
     # -- the end --------------------------------------------------------------------------------------
     def finish(self, forgotten: bool = False) -> Any:
@@ -238,6 +243,8 @@ class RunSession:
         if self._watchdog is not None:
             self._watchdog.status = "finished"
         if scope.enabled:
+            if self.untrained is not None:
+                self.untrained.ended(run_ends=True)
             # The open step, unstepped, with a non-finite loss on this rank is kept before the meeting (a
             # SIGTERM while waiting writes it); with one on any rank, it is kept on every rank after it.
             recorder, absent = scope.recorder, None
@@ -271,6 +278,8 @@ class RunSession:
 
     def stop(self, reason: str) -> Any:
         """End without meeting the other ranks: this rank's rows go to its own file; rank 0 reports."""
+        if self.untrained is not None:
+            self.untrained.ended(run_ends=True)
         self.scope.recorder.close(keep_skipped=self.scope.recorder.skipped_at_end())
         self.stop_watching()
         self.own_rows.flush(reason)
@@ -318,6 +327,8 @@ class RunSession:
             self.scope.note(str(exc), error=True)
 
     def release(self) -> None:
+        if self.untrained is not None:
+            self.untrained.remove()
         self.stop_watching()
         self._sigterm.restore()
         self._collectives.remove()

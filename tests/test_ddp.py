@@ -17,7 +17,7 @@ from pytscope_core.cli import main
 from pytscope_core.coordinator import FINISH_WAIT_S, RESTART_ENV, store_prefix
 from pytscope_core.demo import free_port
 from pytscope_core.records import PHASES
-from pytscope_core.rundir import load_run
+from pytscope_core.rundir import load_run, read_events
 from pytscope_core.summary import summarize
 from pytscope_core.watchdog import HANG_EXIT_CODE
 
@@ -75,6 +75,26 @@ def test_batches_every_rank_skips_on_one_ranks_nan_loss_are_no_desync(tmp_path, 
         assert np.isinf(arrays.loss[kept, 1]) and not np.isinf(arrays.loss[kept, 0])
         assert arrays.optimizer_steps[kept].tolist() == [float(kept < steps - 1)] * 2
     assert "DIST.DESYNC" not in codes(report(tmp_path), ("HIGH", "MED", "LOW"))
+
+
+def test_batches_every_rank_skips_are_said_while_they_run_and_when_training_resumes(tmp_path):
+    # The last rank's loss is NaN for 70 batches and every rank skips them: no step ends, so no gather came and
+    # nothing was said until the run ended. Rank 0 says it once the stretch is 50 batches long, then again
+    # when an optimizer step ends it.
+    ddp_worker.run(2, dict(run_dir=str(tmp_path), steps=100, interval=10, nan_guard_at=list(range(11, 81))))
+    run = load_run(tmp_path)
+    said = [e["finding"] for e in read_events(tmp_path)[0] if e["type"] == "finding"]
+    said = [(f["severity"], f["title"]) for f in said if f["code"] == "CONVERGENCE.SKIPPED_STEPS"]
+    assert said[0][0] == "HIGH" and said[0][1].startswith("No optimizer step for 5")
+    assert said[0][1].endswith(" batches since step 10")
+    assert said[1:] == [("MED", "Step 11 ran 71 batches before its optimizer stepped")]
+    summary = report(tmp_path)
+    assert "DIST.DESYNC" not in codes(summary, ("HIGH", "MED", "LOW"))
+    skipped = [
+        (f["severity"], f["title"]) for f in summary["findings"] if f["code"] == "CONVERGENCE.SKIPPED_STEPS"
+    ]
+    assert skipped == said[1:]  # the latest word stands
+    assert run.arrays.n_steps == 30
 
 
 @pytest.mark.parametrize(

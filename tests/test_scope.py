@@ -3,6 +3,7 @@
 import functools
 import json
 import math
+import re
 import signal
 import subprocess
 import sys
@@ -20,7 +21,7 @@ from pytscope_core.cli import main
 from pytscope_core.live import LIVE_STEPS
 from pytscope_core.recorder import StepRecorder
 from pytscope_core.records import COL, PHASES
-from pytscope_core.rundir import load_run, read_rows
+from pytscope_core.rundir import load_run, read_events, read_rows
 from pytscope_core.scope import disabled_message
 from pytscope_core.summary import summarize
 from pytscope_core.timeline import Mark
@@ -767,6 +768,80 @@ def test_a_batch_fed_to_two_watched_models_counts_its_samples_once(tmp_path):
     assert (arrays.micro_batches == 3).all()  # forward passes: the student's two and the teacher's
 
 
+def _stalled_loop(run_dir, stall, batches=200, stall_from=20, stall_to=None):
+    """A one-rank loop over a watched loader whose batches from `stall_from` (to `stall_to`) are, by `stall`:
+    "skip" (a guard's `continue` after the forward, on a finite loss), "no step" (a backward, and no optimizer
+    step: a window that never closes), or "nan skip" (a guard on a NaN loss: each is a step of its own here).
+    Returns the findings events the run holds, in order, and its summary's findings."""
+    torch.manual_seed(0)
+    loader = DataLoader(
+        TensorDataset(torch.randn(batches * 16, 8), torch.randn(batches * 16, 1)), batch_size=16
+    )
+    model = torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scope = Scope(run_dir, console=False, hang_timeout=None, interval=10).watch(model, opt, loader)
+    for i, (xb, yb) in enumerate(loader):
+        loss = torch.nn.functional.mse_loss(model(xb), yb)
+        stalled = stall_from <= i < (stall_to or batches)
+        if stalled and stall == "nan skip":
+            loss = loss * math.nan
+        scope.log(loss=loss)
+        if stalled and stall != "no step":
+            continue
+        loss.backward()
+        if not stalled:
+            opt.step()
+            opt.zero_grad()
+    summary = scope.finish()
+    said = [e["finding"] for e in read_events(run_dir)[0] if e["type"] == "finding"]
+    return said, [f for f in summary.to_dict()["findings"] if f["code"] == "CONVERGENCE.SKIPPED_STEPS"]
+
+
+def test_batches_that_run_on_without_an_optimizer_step_are_said_while_they_do_then_how_it_ended(tmp_path):
+    # Under DDP a guard's skipped batches end no step (one rank's NaN loss is not the others'), so no gather,
+    # and nothing was said until the run ended. Rank 0 now says it once the stretch is 50 batches long, and
+    # again when an optimizer step ends it, or at the run's end.
+    said, final = _stalled_loop(tmp_path / "skip", "skip", stall_to=120)
+    live = [f for f in said if f["code"] == "CONVERGENCE.SKIPPED_STEPS"]
+    assert [f["severity"] for f in live] == ["HIGH", "MED"]
+    assert re.fullmatch(r"No optimizer step for 5\d batches since step 20", live[0]["title"])
+    assert "0 backwards) after its optimizer step at step 20" in live[0]["detail"]
+    assert "guard on a NaN or Inf loss" in live[0]["detail"]
+    # Batches 20-119 skipped, batch 120 trained: step 21 is 101 batches long.
+    assert live[1]["title"] == "Step 21 ran 101 batches before its optimizer stepped"
+    assert [f["title"] for f in final] == [live[1]["title"]]  # the latest word stands in the summary
+
+    said, final = _stalled_loop(tmp_path / "to the end", "skip")
+    assert [f["severity"] for f in said if f["code"] == "CONVERGENCE.SKIPPED_STEPS"] == ["HIGH", "HIGH"]
+    assert [f["title"] for f in final] == [
+        "No optimizer step for 180 batches since step 20, to the end of the run"
+    ]
+
+    said, final = _stalled_loop(tmp_path / "no step", "no step")
+    (f,) = final
+    assert f["title"].endswith("to the end of the run") and "180 backwards" in f["detail"]
+    assert "gradients accumulate and no optimizer step comes" in f["detail"]
+
+
+def test_no_word_of_batches_without_an_optimizer_step_where_steps_end(tmp_path):
+    # One rank's guard on a NaN loss: each skipped batch is a step of its own (the run's NONFINITE says it).
+    said, final = _stalled_loop(tmp_path / "nan", "nan skip", stall_to=120)
+    assert final == [] and all(f["code"] != "CONVERGENCE.SKIPPED_STEPS" for f in said)
+    # Accumulation over 64 batches per step: long steps, each as long as the run's others.
+    loader = DataLoader(TensorDataset(torch.randn(64 * 5 * 4, 8), torch.randn(64 * 5 * 4, 1)), batch_size=4)
+    model = torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scope = Scope(tmp_path / "acc", console=False, hang_timeout=None, interval=2).watch(model, opt, loader)
+    for i, (xb, yb) in enumerate(loader):
+        torch.nn.functional.mse_loss(model(xb), yb).backward()
+        if (i + 1) % 64 == 0:
+            opt.step()
+            opt.zero_grad()
+    scope.finish()
+    said = [e["finding"]["code"] for e in read_events(tmp_path / "acc")[0] if e["type"] == "finding"]
+    assert "CONVERGENCE.SKIPPED_STEPS" not in said
+
+
 def test_watch_after_finish_says_the_scope_has_ended_and_installs_nothing(tmp_path, capsys):
     scope, model, opt = watched_linear(tmp_path)
     scope.finish()
@@ -795,6 +870,33 @@ def test_a_loader_another_live_scope_watches_is_said_and_left_to_it(tmp_path, ca
     run = load_run(tmp_path / "a")
     assert list(run.arrays.steps) == [1, 2, 3, 4] and (run.arrays.phases[:, 0, 0] > 0).all()  # data waits
     assert type(loader) is DataLoader  # put back as it was
+
+
+@pytest.mark.parametrize("kind", ["list", "generator"])
+def test_a_loader_whose_class_cannot_be_swapped_is_said_and_the_forwards_time_the_steps(
+    tmp_path, capsys, kind
+):
+    # A list of batches, or a generator: its class cannot take the subclass that times each fetch. The scope
+    # used to disable itself with "__class__ assignment only supported for mutable types".
+    batches = [(torch.randn(16, 8), torch.randn(16, 1)) for _ in range(12)]
+    loader = batches if kind == "list" else (b for b in batches)
+    model = torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scope = Scope(tmp_path, console=False, hang_timeout=None, interval=5).watch(model, opt, loader)
+    for xb, yb in loader:
+        loss = torch.nn.functional.mse_loss(model(xb), yb)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        scope.log(loss=loss)
+    scope.finish()
+    assert scope.enabled and type(loader).__name__ == kind
+    err = capsys.readouterr().err
+    assert f"the loader given to watch() is a {kind}, whose batches pytscope cannot time" in err
+    assert "internal error" not in err
+    run = load_run(tmp_path)
+    assert list(run.arrays.steps) == list(range(1, 13)) and (run.arrays.samples == 16).all()
+    assert run.context.scope_notes[0].startswith(f"the loader given to watch() is a {kind}")
 
 
 def test_a_watched_loader_the_loop_never_iterates_is_said_and_the_forwards_time_the_steps(tmp_path, capsys):
