@@ -27,7 +27,7 @@ from .collectives import restore_method, time_buffer_sync
 from .compiled import CallWrappers, compiled_in_place, is_compiling_function, outside_compiled, uncompiled
 from .flops import FlopEstimate
 from .fsdp import FSDPCommTimer
-from .loader import LoaderNotWatchable, batches_per_epoch, hooks_of, watch_loader
+from .loader import batches_per_epoch, watch_loader
 from .parallelism import fsdp2_units
 from .patches import Patch
 from .recorder import StepRecorder
@@ -51,15 +51,6 @@ LOADER_UNSEEN = (
     "the loader given to watch() was not iterated before the first optimizer step (one from before "
     "accelerator.prepare()?), so steps are timed from the model's forward and the wait for data is in `other`: "
     "watch the loader the training loop iterates"
-)
-LOADER_NOT_WATCHABLE = (
-    "the loader given to watch() is a {kind}, whose batches pytscope cannot time in place (it gives a "
-    "DataLoader, or any iterable object of a class of its own, a subclass that times each fetch), so steps are "
-    "timed from the model's forward and the wait for data is in `other`: watch the DataLoader itself"
-)
-LOADER_TAKEN = (
-    "the loader given to watch() is already watched by another Scope that has not finished, so steps are "
-    "timed from the model's forward and the wait for data is in `other`: finish() the other Scope first"
 )
 
 
@@ -240,17 +231,11 @@ class TorchHooks:
         self._undo += (end_windows_at_zero_grad(inner, self), end_steps_the_scaler_skips(inner, self))
 
     def watch_loader(self, loader: Any) -> None:
-        try:
-            undo = watch_loader(loader, self)
-        except LoaderNotWatchable:
-            self._warn(LOADER_NOT_WATCHABLE.format(kind=type(loader).__name__))
-            return
+        undo = watch_loader(loader, self, self._warn)
         if undo is not None:
             self._undo.append(undo)
             self.loader_watched = True
             self.loader_batches = batches_per_epoch(loader)
-        elif hooks_of(loader) is not self:
-            self._warn(LOADER_TAKEN)
 
     def remove(self) -> None:
         self.active = False

@@ -16,23 +16,31 @@ class BatchHooks(Protocol):
     def next_batch(self, it: Iterator[Any]) -> Any: ...
 
 
-class LoaderNotWatchable(TypeError):
-    """The loader's class cannot be given a subclass in place: a built-in iterable (a list, a generator,
-    `itertools.cycle`) or an object without a `__dict__`."""
+LOADER_NOT_WATCHABLE = (
+    "the loader given to watch() (a {kind}) cannot be timed in place: pytscope gives a DataLoader, or any "
+    "iterable object of a class of its own, a subclass that times each fetch; steps are timed from the model's "
+    "forward and the wait for data is in `other`: watch the DataLoader itself"
+)
+LOADER_TAKEN = (
+    "the loader given to watch() is already watched by another Scope that has not finished, so steps are "
+    "timed from the model's forward and the wait for data is in `other`: finish() the other Scope first"
+)
 
 
-def watch_loader(loader: Any, hooks: BatchHooks) -> Callable[[], None] | None:
-    """Route `loader`'s batches through `hooks.next_batch`; returns what undoes it (None if already
-    watched). Raises `LoaderNotWatchable`, leaving `loader` as it was, where that cannot be done."""
+def watch_loader(loader: Any, hooks: BatchHooks, warn: Callable[[str], None]) -> Callable[[], None] | None:
+    """Route `loader`'s batches through `hooks.next_batch`; returns what undoes it, or None where it is not
+    done: the loader already watched (by `hooks`; another's said with `warn`), or its class cannot be given
+    a subclass in place (a built-in iterable: a list, a generator; an object without a `__dict__`: said)."""
     base = type(loader)
     if getattr(base, "_pytscope_watched", False):
+        if hooks_of(loader) is not hooks:
+            warn(LOADER_TAKEN)
         return None
-    if not isinstance(getattr(loader, "__dict__", None), dict):
-        raise LoaderNotWatchable(f"a {base.__name__} has no __dict__")
     try:
         _set_class(loader, _watched_class(base))
-    except TypeError as exc:  # (a built-in class: not a base, or its instances' class is fixed)
-        raise LoaderNotWatchable(str(exc)) from None
+    except TypeError:  # a built-in class (not a base, or its instances' class fixed), or __slots__ (layout)
+        warn(LOADER_NOT_WATCHABLE.format(kind=base.__name__))
+        return None
     loader.__dict__["_pytscope_hooks"] = hooks
 
     def undo() -> None:

@@ -892,11 +892,11 @@ def test_a_loader_whose_class_cannot_be_swapped_is_said_and_the_forwards_time_th
     scope.finish()
     assert scope.enabled and type(loader).__name__ == kind
     err = capsys.readouterr().err
-    assert f"the loader given to watch() is a {kind}, whose batches pytscope cannot time" in err
+    assert f"the loader given to watch() (a {kind}) cannot be timed in place" in err
     assert "internal error" not in err
     run = load_run(tmp_path)
     assert list(run.arrays.steps) == list(range(1, 13)) and (run.arrays.samples == 16).all()
-    assert run.context.scope_notes[0].startswith(f"the loader given to watch() is a {kind}")
+    assert run.context.scope_notes[0].startswith(f"the loader given to watch() (a {kind})")
 
 
 def test_a_watched_loader_the_loop_never_iterates_is_said_and_the_forwards_time_the_steps(tmp_path, capsys):
