@@ -50,6 +50,12 @@ NO_OPTIMIZER = (
 )
 
 
+RUN_NOT_OPENED = (
+    "rank 0 could not set up the run directory (its console says why): the scope is off on every rank, and "
+    "training goes on"
+)
+
+
 class RunSession:
     """Gathers, the final gather and report, this rank's own rows, the watchdog and SIGTERM, for one scope."""
 
@@ -65,8 +71,12 @@ class RunSession:
         self.gather_ms: list[float] = []  # each gather: resolving the window and the exchange, every rank
         self.traffic: list[tuple[int, int]] = []  # each gather: payload bytes (sent, received) on this rank
         self._epoch_offset = time.time() - time.perf_counter()  # host perf_counter -> seconds since epoch
+        unopened: Exception | None = None  # rank 0: the run directory could not be set up (said to all below)
         if self.rank == 0:
-            self._open_run()
+            try:
+                self._open_run()
+            except Exception as exc:
+                unopened = exc
         if scope.recorder.iteration_steps:
             scope.note(NO_OPTIMIZER)
         self._watchdog: Any = None
@@ -77,18 +87,25 @@ class RunSession:
         if scope.options.hang_timeout is not None:
             self._start_watchdog()
         try:
-            self._check_shards()
+            self._meet_at_start(unopened)
         except Exception:
             self.release()  # (the scope disables itself: what this session opened is closed first)
             raise
         self._collectives.install()
 
-    def _check_shards(self) -> None:
-        """DATA.UNEVEN_SHARDS from every rank's watched loader (collective: every rank runs the same loop, so
-        every rank watched a loader or none did). Under Lightning the callback checks its own."""
+    def _meet_at_start(self, unopened: Exception | None) -> None:
+        """Every rank learns whether rank 0 set the run up (a rank-0 failure, e.g. a `run_dir` it cannot create,
+        disabled rank 0 alone: the others then waited `gather_timeout` for it at their next collective), and
+        rank 0 every rank's watched loader's batches per epoch, for DATA.UNEVEN_SHARDS (-1 where unknown or none
+        is watched; under Lightning the callback checks its own). Collective when distributed."""
         batches, coordinator = self.scope.hooks.loader_batches, self.scope.coordinator
-        every_rank = coordinator.all_gather_ints([batches]) if batches is not None else None
-        finding = uneven_shards_finding([r[0] for r in every_rank]) if every_rank is not None else None
+        mine = [-1 if batches is None else batches, unopened is None]
+        every_rank = coordinator.all_gather_ints(mine) or [mine]
+        if unopened is not None:
+            raise unopened
+        if not all(opened for _, opened in every_rank):
+            raise RuntimeError(RUN_NOT_OPENED)
+        finding = uneven_shards_finding([b for b, _ in every_rank]) if batches is not None else None
         if finding is not None and self.live is not None:
             self.live.add(finding, self.scope.step_label())
 

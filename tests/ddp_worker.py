@@ -3,6 +3,7 @@
 Options inject one behaviour at a time, always by busy-waiting (never sleeping): a slow rank, a rank that
 blocks at one step, a rank whose every step is slow but progressing, a rank that skips one gradient sync,
 a NaN loss on one rank that every rank skips,
+batches from a watched DataLoader,
 forward work of a fixed wall time on every rank, a model with two heads of which each rank uses its own
 choice every step.
 """
@@ -62,14 +63,23 @@ def _main(rank: int, world: int, port: int, o: dict[str, Any]) -> None:
         on_hang=o.get("on_hang", "abort"),
         gather_timeout=o.get("gather_timeout", 300.0),
     )
-    scope.watch(ddp, opt)
     # Each rank draws its own data, unless `same_data`: a loop without a DistributedSampler.
     gen = torch.Generator().manual_seed(0 if o.get("same_data") else rank)
+    batches = None
+    if o.get("loader"):  # the same draws, fetched from a watched DataLoader
+        data = torch.utils.data.TensorDataset(
+            torch.randn(o["steps"] * o.get("batch", 512), 32, generator=gen)
+        )
+        loader = torch.utils.data.DataLoader(data, batch_size=o.get("batch", 512))
+        scope.watch(ddp, opt, loader)
+        batches = iter(loader)
+    else:
+        scope.watch(ddp, opt)
     teacher = torch.randn(32, 4, generator=torch.Generator().manual_seed(0))
     heads = torch.Generator().manual_seed(100 + rank)  # each rank its own choice of head
     for step in range(1, o["steps"] + 1):
         # Compute-dominated steps: a few ms against ~0.3 ms of all-reduce (more with a larger `batch`).
-        x = torch.randn(o.get("batch", 512), 32, generator=gen)
+        x = next(batches)[0] if batches is not None else torch.randn(o.get("batch", 512), 32, generator=gen)
         y = (x @ teacher).argmax(1)
         slow = rank == world - 1
         if slow and o.get("spin_ms"):

@@ -77,6 +77,19 @@ def test_batches_every_rank_skips_on_one_ranks_nan_loss_are_no_desync(tmp_path, 
     assert "DIST.DESYNC" not in codes(report(tmp_path), ("HIGH", "MED", "LOW"))
 
 
+def test_a_run_directory_rank_0_cannot_create_turns_the_scope_off_on_every_rank_at_once(tmp_path, capfd):
+    # Rank 0 disabled its scope alone (a file where the run directory goes), and the other rank waited
+    # gather_timeout for it in the scope's first collective, stalling the job that long.
+    taken = tmp_path / "run"
+    taken.write_text("not a directory")
+    t0 = time.perf_counter()
+    ddp_worker.run(2, dict(run_dir=str(taken), steps=30, interval=10, gather_timeout=120.0, loader=True))
+    assert time.perf_counter() - t0 < 60.0  # about 5 s; 120 s more before
+    err = capfd.readouterr().err
+    assert "rank 0 could not set up the run directory" in err and "FileExistsError" in err
+    assert taken.read_text() == "not a directory"
+
+
 def test_batches_every_rank_skips_are_said_while_they_run_and_when_training_resumes(tmp_path):
     # The last rank's loss is NaN for 70 batches and every rank skips them: no step ends, so no gather came and
     # nothing was said until the run ended. Rank 0 says it once the stretch is 50 batches long, then again
