@@ -23,6 +23,7 @@ import numpy as np
 
 from .analysis.convergence import loss_per_step
 from .analysis.timing import launch_sequence, launch_sizes, statistics_steps, step_wall_ms
+from .arrays import step_segments
 from .summary import Summary, _plain, summarize
 
 if TYPE_CHECKING:
@@ -107,11 +108,12 @@ class Scaling:
 
 
 def counted_work(run: Run) -> tuple[float, float, float, float | None]:
-    """(counted wall seconds, counted steps, counted samples or NaN, median per-rank samples per step)."""
+    """(counted wall seconds, counted steps, counted samples or NaN, median per-rank samples per step), over
+    the counted steps that every rank of their launch recorded (`incomplete_steps`)."""
     a = run.arrays
     sel = statistics_steps(a)
     wall = step_wall_ms(a)[sel]
-    ok = np.isfinite(wall)
+    ok = np.isfinite(wall) & ~incomplete_steps(run)[sel]
     seconds = float(wall[ok].sum()) / 1e3
     samples = np.asarray(a.samples)[sel][ok]
     recorded = np.isfinite(np.asarray(a.wall_ms)[sel][ok])
@@ -120,6 +122,25 @@ def counted_work(run: Run) -> tuple[float, float, float, float | None]:
     total = float(np.nansum(samples)) if known else math.nan
     per_rank = float(np.nanmedian(samples[recorded])) if known else None
     return seconds, float(ok.sum()), total, per_rank
+
+
+def incomplete_steps(run: Run) -> np.ndarray:
+    """(S,) bool: steps that fewer ranks recorded than their launch had (its world size, or the most ranks
+    that recorded one of its steps): a rank killed, or ended without the others, whose records since its last
+    gather are lost. Their samples, summed over the ranks that are there, would read as that much less
+    throughput. A rank out of batches inside a join trained none in the steps it has no record of: it is not
+    counted as missing."""
+    a, ctx = run.arrays, run.context
+    joined = np.isin(a.ranks, [rank for rank, _ in ctx.joins])
+    ranks = np.isfinite(a.wall_ms[:, ~joined]).sum(axis=1)
+    launched = {seg.index: seg.world_size for seg in ctx.segments}
+    segment = step_segments(a.segment)
+    out = np.zeros(a.n_steps, dtype=bool)
+    for seg in np.unique(segment[np.isfinite(segment)]):
+        mine = segment == seg
+        world = launched.get(int(seg), 0) - int(joined.sum())
+        out[mine] = ranks[mine] < max(world, int(ranks[mine].max()))
+    return out
 
 
 def time_to_target(run: Run, target_loss: float) -> tuple[float | None, int | None]:
@@ -178,7 +199,7 @@ def scaling_points(runs: Sequence[Run], target_loss: float | None = None, weak: 
         (p, tuple(s.index for s in p.context.segments) if len(ps) > 1 else ()) for _, ps in split for p in ps
     ]
     counted = [_has_counted_steps(p) for p, _ in pieced]
-    empty = [str(p.path) for (p, _), ok in zip(pieced, counted, strict=True) if not ok]
+    empty = [piece for piece, ok in zip(pieced, counted, strict=True) if not ok]
     pieced = [piece for piece, ok in zip(pieced, counted, strict=True) if ok]
     if not pieced:
         raise NothingToScale("no run has counted steps")
@@ -199,7 +220,19 @@ def scaling_points(runs: Sequence[Run], target_loss: float | None = None, weak: 
         if len(pieces) > 1
     ]
     notes.extend(
-        f"{path} has no counted steps (no step records, or warm-up only): left out" for path in empty
+        f"{p.path} has no counted steps "
+        + (
+            "that every rank recorded (a rank killed, or ended early, before its records were gathered): left out"
+            if np.asarray(p.arrays.counted, dtype=bool).any()
+            else "(no step records, or warm-up only): left out"
+        )
+        for p, _ in empty
+    )
+    notes.extend(
+        f"{runs[i].path}: {n} counted step(s) with some ranks' records missing (a rank killed or ended early) "
+        "left out of its throughput"
+        for i in order
+        if (n := int((incomplete_steps(runs[i]) & statistics_steps(runs[i].arrays)).sum()))
     )
     if base_w != 1:
         notes.append(

@@ -9,6 +9,8 @@ import pytest
 from runfactory import phases_of, write_run
 
 from pytscope_core.cli import main
+from pytscope_core.compare import compare_runs
+from pytscope_core.records import COL, NCOLS
 from pytscope_core.rundir import load_run
 from pytscope_core.scaling import render_scaling, scaling_points, write_scaling_plot
 
@@ -245,3 +247,20 @@ def test_a_job_resumed_on_fewer_ranks_from_an_earlier_checkpoint_keeps_each_size
     s = scaling_points([run])
     assert [(p.world_size, p.steps_counted) for p in s.points] == [(2, 100), (4, 150)]
     assert [p.throughput for p in s.points] == pytest.approx([2 * 16 / 8e-3, 4 * 16 / 10e-3])
+
+
+def test_steps_a_killed_ranks_lost_records_leave_out_are_not_read_as_less_throughput(tmp_path):
+    # Rank 1 killed after step 120: its rows since its last gather are lost, rank 0's are written. Summed over
+    # the ranks that are there, those steps had half the samples: the run read as 25-105% slower in `compare`
+    # and `scaling` (a failed --fail-on-regression), with no word of why.
+    base = _run(tmp_path, 2, GLOBAL_BATCH / 2, name="base")
+    killed = _run(tmp_path, 2, GLOBAL_BATCH / 2, name="killed")
+    rows = np.fromfile(killed / "steps.f64").reshape(-1, NCOLS)
+    lost = (rows[:, COL["rank"]] == 1) & (rows[:, COL["step"]] > 120)
+    rows[~lost].tofile(killed / "steps.f64")
+    s = scaling_points([load_run(base), load_run(killed)])
+    assert s.points[1].throughput == pytest.approx(s.points[0].throughput, rel=1e-9)
+    assert any("killed: 80 counted step(s) with some ranks' records missing" in w for w in s.warnings)
+    assert compare_runs(load_run(base), load_run(killed)).ms_per_sample_b == pytest.approx(
+        compare_runs(load_run(base), load_run(base)).ms_per_sample_b, rel=1e-9
+    )
