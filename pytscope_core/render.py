@@ -82,8 +82,12 @@ def render_run(summary: Summary) -> RenderableType:
     g = summary.efficiency.goodput
     table = Table.grid(padding=(0, 2))
     table.add_row("world size", _world_sizes(r.world_size, g.segments))
+    gaps = ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in r.unrecorded)
     table.add_row(
-        "steps", f"{r.steps}" + (f" ({r.first_step}-{r.last_step})" if r.first_step is not None else "")
+        "steps",
+        f"{r.steps}"
+        + (f" ({r.first_step}-{r.last_step})" if r.first_step is not None else "")
+        + (f"; none recorded for {gaps}: run by a launch that ended before it wrote them" if gaps else ""),
     )
     table.add_row("restarts", str(r.restarts))
     if r.parallelism:

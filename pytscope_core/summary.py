@@ -38,6 +38,7 @@ class RunInfo:
     parallelism: str | None = None  # what the model was wrapped in: ddp, fsdp2, fsdp1, deepspeed ...
     comm_measured: bool = True  # False: communication hides in compute (see `comm_note`)
     ended: bool = True  # False: no end-of-run summary was written (killed, or still running)
+    unrecorded: tuple[tuple[int, int], ...] = ()  # step ranges a killed launch ran and never wrote
 
     @property
     def comm_note(self) -> str | None:
@@ -68,6 +69,7 @@ class Summary:
                 "steps": self.run.steps,
                 "first_step": self.run.first_step,
                 "last_step": self.run.last_step,
+                "unrecorded_steps": [list(r) for r in self.run.unrecorded],
                 "device": self.run.device,
                 "restarts": self.run.restarts,
                 "ended": self.run.ended,
@@ -234,6 +236,7 @@ def summary_of(analysis: RunAnalysis, findings: list[Finding]) -> Summary:
             parallelism=ctx.parallelism,
             comm_measured=ctx.comm_measured,
             ended=ctx.ended,
+            unrecorded=analysis.unrecorded,
         ),
         timing=analysis.timing,
         distributed=analysis.distributed,

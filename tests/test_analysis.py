@@ -903,6 +903,32 @@ def test_goodput_across_two_segments_with_replayed_rows():
     assert d["run"]["restarts"] == 1 and d["run"]["goodput"]["downtime_s"] == pytest.approx(10.0)
 
 
+@pytest.mark.parametrize("stride", [1, 2])  # 2: Lightning's numbers with two optimizers, no gap
+def test_steps_a_killed_launch_ran_but_never_wrote_are_named_after_the_resume(stride):
+    # Launch 0 was killed at step 95 after a checkpoint at step 60; its records since its last gather (step 50)
+    # went with it. The resumed launch starts at step 61: nothing said steps 51-60 have no records.
+    first = _rows(0, range(stride, 50 * stride + 1, stride), 1000.0)
+    second = _rows(1, range(61 * stride, 151 * stride, stride), 1030.0)
+    arrays = RunArrays.from_rows(np.vstack([first, second]), warmup=0)
+    ctx = RunContext(world_size=2, segments=(Segment(0, 1000.0, 0, 2), Segment(1, 1030.0, 60, 2)))
+    s = summarize(arrays, ctx)
+    assert s.run.unrecorded == ((51 * stride, 60 * stride),) and s.to_dict()["run"]["unrecorded_steps"] == [
+        [51 * stride, 60 * stride]
+    ]
+    console = Console(file=io.StringIO(), width=200, color_system=None)
+    console.print(render_summary(s))
+    text = " ".join(console.file.getvalue().split())
+    assert (
+        f"none recorded for {51 * stride}-{60 * stride}: run by a launch that ended before it wrote" in text
+    )
+    # A resume from the last recorded step, or one that replays recorded steps, leaves no gap.
+    for resumed in (50, 40):
+        second = _rows(1, range((resumed + 1) * stride, 151 * stride, stride), 1030.0)
+        arrays = RunArrays.from_rows(np.vstack([first, second]), warmup=0)
+        ctx = RunContext(world_size=2, segments=(Segment(0, 1000.0, 0, 2), Segment(1, 1030.0, resumed, 2)))
+        assert summarize(arrays, ctx).run.unrecorded == ()
+
+
 def test_a_hang_that_ended_its_launch_stays_a_hang_after_the_resume_replays_its_step():
     # on_hang="abort": launch 0 hung at step 41 and exited; the launcher resumed from the step-30 checkpoint
     # and the new launch went on past step 41. That hang was not "a stall the run went on past".

@@ -188,3 +188,17 @@ def efficiency(
         mfu=mfu(ctx, timing),
         goodput=goodput(arrays, ctx, wall, counted_steps(arrays)),  # (skipped batches are not warm-up)
     )
+
+
+def unrecorded_steps(spans: tuple[SegmentSpan, ...], steps: np.ndarray) -> tuple[tuple[int, int], ...]:
+    """(first, last) step ranges that no launch recorded, between one launch's last record and the first of the
+    next, which resumed past them: steps that ran (a checkpoint saved after them was resumed) but whose records
+    went with the launch that ran them (killed before its next gather). Its time after its last record is
+    downtime. `steps`: the run's step labels, whose spacing (2 under Lightning with two optimizers) is no gap."""
+    labels = np.unique(steps)
+    stride = int(np.diff(labels).min()) if labels.size > 1 else 1
+    return tuple(
+        (a.last_step + stride, b.first_step - stride)
+        for a, b in zip(spans, spans[1:], strict=False)
+        if a.steps and b.steps and b.resumed_from_step > 0 and b.first_step - a.last_step > stride
+    )

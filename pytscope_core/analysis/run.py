@@ -17,7 +17,7 @@ from ..records import COL
 from .convergence import Convergence, LossHistory, convergence
 from .data import DuplicateShards, duplicate_shards
 from .distributed import DistributedTiming, JoinWait, distributed_timing, join_waits, with_placement
-from .efficiency import Efficiency, efficiency
+from .efficiency import Efficiency, efficiency, unrecorded_steps
 from .memory import MemoryStats, memory_stats
 from .timing import StepTiming, launch_sizes, phase_ms_per_step, statistics_steps, step_timing, step_wall_ms
 
@@ -45,6 +45,7 @@ class RunAnalysis:
     memory: MemoryStats
     duplicates: DuplicateShards
     rank_ends: tuple[RankEnd, ...] = ()
+    unrecorded: tuple[tuple[int, int], ...] = ()  # step ranges a killed launch ran and never wrote
     join_waits: tuple[JoinWait, ...] = ()  # ranks out of batches inside torch's Join (uneven inputs)
     # The last step each launch (segment) recorded, replayed steps included; only where the run holds hang
     # reports (a hang a launch ended is not one the run went on past: `rules._gone_past`).
@@ -60,6 +61,7 @@ def analyze(arrays: RunArrays, ctx: RunContext, loss_history: LossHistory | None
     timing = step_timing(arrays, wall, phase_ms_per_step(arrays), launch_size)
     dist = distributed_timing(arrays, sel, ctx.comm_measured, ctx.parallelism, ctx.records_lost, ctx.joins)
     dist = with_placement(dist, ctx.placement)  # hosts and local ranks, for the report's per-rank table
+    eff = efficiency(arrays, ctx, timing, dist, wall, sel)
     return RunAnalysis(
         ctx=ctx,
         world_size=max(
@@ -71,7 +73,8 @@ def analyze(arrays: RunArrays, ctx: RunContext, loss_history: LossHistory | None
         timing=timing,
         distributed=dist,
         convergence=convergence(arrays, sel, ctx.first_nonfinite, loss_history),
-        efficiency=efficiency(arrays, ctx, timing, dist, wall, sel),
+        efficiency=eff,
+        unrecorded=unrecorded_steps(eff.goodput.segments, arrays.steps),
         memory=memory_stats(arrays, ctx, sel),
         duplicates=duplicate_shards(arrays),
         rank_ends=rank_ends(arrays, ctx),
