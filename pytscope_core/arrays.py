@@ -31,6 +31,7 @@ class RunArrays:
     micro_batches: np.ndarray  # (S, R)
     batch_fp: np.ndarray  # (S, R) hash of the step's first batch on that rank (every 8th step), else NaN
     optimizer_steps: np.ndarray  # (S, R) optimizer.step() calls in the step; NaN in runs before the column
+    loop_comm_ms: np.ndarray  # (S, R) the part of comm in the loop's own collectives; NaN in runs before it
     segment: np.ndarray  # (S, R) float64, NaN where missing
     counted: np.ndarray  # (S,) bool: step is past the warm-up of its segment (statistics use these)
     replayed: np.ndarray = field(default_factory=lambda: np.empty((0, NCOLS)))  # rows superseded by a resume
@@ -123,6 +124,7 @@ class RunArrays:
             micro_batches=column("micro_batches"),
             batch_fp=column("batch_fp"),
             optimizer_steps=column("optimizer_steps"),
+            loop_comm_ms=column("loop_comm_ms"),
             segment=segment,
             counted=_past_warmup(steps, segment, warmup),
             replayed=replayed,
@@ -175,6 +177,7 @@ class RunArrays:
             micro_batches=per_rank(None, 1.0),
             batch_fp=per_rank(None, np.nan),
             optimizer_steps=per_rank(None, 1.0),
+            loop_comm_ms=per_rank(None, 0.0),
             segment=per_rank(None, 0.0),
             counted=np.arange(s) >= warmup,
         )

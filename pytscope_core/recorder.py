@@ -389,6 +389,7 @@ def closed_rows(
     rows[:, list(PHASE_COLS)] = timed[:, : len(PHASE_COLS)]
     rows[:, COL["excluded_ms"]] = timed[:, len(PHASE_COLS)]
     rows[:, COL["wall_ms"]] = timed[:, len(PHASE_COLS) + 1]
+    rows[:, COL["loop_comm_ms"]] = timed[:, len(PHASE_COLS) + 2]
     rows[:, COL["loss"]] = step_losses([w.losses for w in window])
     rows[:, COL["batch_fp"]] = resolve_fingerprints([w.fingerprint for w in window])
     rows[:, [COL["samples"], COL["mem_bytes"], COL["grad_syncs"], COL["micro_batches"]]] = meta[:, 2:]

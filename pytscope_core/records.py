@@ -19,7 +19,7 @@ COLUMNS: tuple[str, ...] = (
     "data_ms",
     "forward_ms",
     "backward_ms",
-    "comm_ms",  # exposed gradient communication (graph done -> end of backward)
+    "comm_ms",  # exposed communication: gradients (graph done -> end of backward), the loop's collectives
     "optimizer_ms",
     "other_ms",
     "excluded_ms",  # validation, checkpointing ... inside the step's span, not charged to any phase
@@ -30,6 +30,9 @@ COLUMNS: tuple[str, ...] = (
     "micro_batches",  # forward passes in the step (gradient-accumulation window)
     "batch_fp",  # a 48-bit hash of the step's first batch (batches.py), every 8th step; NaN otherwise
     "optimizer_steps",  # optimizer.step() calls completed in the step (one per optimizer, so 2 for a GAN's)
+    # The part of comm_ms spent in collectives the loop calls itself (a barrier, an all-reduce of the loss for
+    # logging, Lightning's per-batch SIGTERM flag broadcast), not gradient communication; NaN in older runs
+    "loop_comm_ms",
 )
 COL = {name: i for i, name in enumerate(COLUMNS)}
 NCOLS = len(COLUMNS)

@@ -37,6 +37,7 @@ class Mark(enum.IntEnum):
 
 DATA, FORWARD, BACKWARD, COMM, OPTIMIZER, OTHER = range(len(PHASES))
 EXCLUDED = len(PHASES)
+LOOP_COMM = EXCLUDED + 1  # comm, in a collective the loop calls itself: counted in COMM, and apart too
 
 # mark -> (phase it opens or None, phase it closes or None)
 _TRANSITIONS: dict[int, tuple[int | None, int | None]] = {
@@ -53,8 +54,8 @@ _TRANSITIONS: dict[int, tuple[int | None, int | None]] = {
     Mark.PAUSE_END: (None, EXCLUDED),
     Mark.COMM_BEGIN: (COMM, None),  # nested: the innermost open phase wins, so the wait is comm, not forward
     Mark.COMM_END: (None, COMM),
-    Mark.LOOP_COMM_BEGIN: (COMM, None),
-    Mark.LOOP_COMM_END: (None, COMM),
+    Mark.LOOP_COMM_BEGIN: (LOOP_COMM, None),
+    Mark.LOOP_COMM_END: (None, LOOP_COMM),
 }
 _NESTED_ENDS = (Mark.COMM_END, Mark.LOOP_COMM_END)
 
@@ -67,13 +68,26 @@ def attribute(marks: Sequence[int], times_ms: Sequence[float]) -> tuple[list[flo
     excluded ms, wall ms), where wall = span - excluded and the phases sum to wall. A close without its open
     is ignored; an open never closed runs to the step end.
     """
-    acc = [0.0] * (len(PHASES) + 1)
+    acc = _attributed(marks, times_ms)
+    return (
+        acc[: len(PHASES)],
+        acc[EXCLUDED],
+        (times_ms[-1] - times_ms[0] - acc[EXCLUDED] if len(marks) > 1 else 0.0),
+    )
+
+
+def _attributed(marks: Sequence[int], times_ms: Sequence[float]) -> list[float]:
+    """ms per phase (PHASES order), then excluded, then the part of COMM spent in the loop's own collectives."""
+    acc = [0.0] * (LOOP_COMM + 1)
     if len(marks) < 2:
-        return acc[:-1], 0.0, 0.0
+        return acc
     stack: list[int] = []
     prev = times_ms[0]
     for mark, t in zip(marks, times_ms, strict=False):  # (the first interval is empty)
-        acc[stack[-1] if stack else OTHER] += t - prev
+        phase = stack[-1] if stack else OTHER
+        acc[COMM if phase == LOOP_COMM else phase] += t - prev
+        if phase == LOOP_COMM:
+            acc[LOOP_COMM] += t - prev
         prev = t
         opens, closes = _TRANSITIONS.get(mark, (None, None))
         if closes is not None and closes in stack:
@@ -83,40 +97,38 @@ def attribute(marks: Sequence[int], times_ms: Sequence[float]) -> tuple[list[flo
             del stack[innermost : innermost + 1 if mark in _NESTED_ENDS else None]
         if opens is not None:
             stack.append(opens)
-    excluded = acc[EXCLUDED]
-    span = times_ms[-1] - times_ms[0]
-    return acc[:-1], excluded, span - excluded
+    return acc
 
 
 _PATTERNS: dict[tuple[int, ...], np.ndarray] = {}
 
 
 def _pattern_matrix(marks: tuple[int, ...]) -> np.ndarray:
-    """For a sequence of marks: which phase (or EXCLUDED) each interval between consecutive marks goes to,
-    as a one-hot (intervals x phases+1) matrix. Found once per distinct sequence by `attribute` itself."""
+    """For a sequence of marks: which phase (or EXCLUDED) each interval between consecutive marks goes to, and
+    whether it is in a loop's collective, as an (intervals x phases+2) 0/1 matrix. Found once per distinct
+    sequence by `_attributed` itself."""
     m = _PATTERNS.get(marks)
     if m is None:
         n = len(marks) - 1
-        m = np.zeros((n, len(PHASES) + 1))
+        m = np.zeros((n, LOOP_COMM + 1))
         for i in range(n):
             times = [0.0] * (i + 1) + [1.0] * (n - i)  # only interval i has length 1
-            phases, excluded, _ = attribute(marks, times)
-            m[i, : len(PHASES)] = phases
-            m[i, len(PHASES)] = excluded
+            m[i] = _attributed(marks, times)
         if len(_PATTERNS) < 4096:
             _PATTERNS[marks] = m
     return m
 
 
 def attribute_many(marks: Sequence[Sequence[int]], times_ms: Sequence[float] | np.ndarray) -> np.ndarray:
-    """`attribute` for a window of steps: (n, phases + 2) array of phase ms, excluded ms, wall ms.
+    """`attribute` for a window of steps: (n, phases + 3) array of phase ms, excluded ms, wall ms, and the ms
+    of comm spent in the loop's own collectives.
 
     `times_ms` is every step's timestamps one after another (flat). Training loops repeat the same sequence
     of marks step after step, so steps are grouped by their sequence and each group is one matrix product
     instead of a Python loop over marks.
     """
     n = len(marks)
-    out = np.zeros((n, len(PHASES) + 2))
+    out = np.zeros((n, len(PHASES) + 3))
     flat = np.asarray(times_ms, dtype=np.float64)
     starts = np.zeros(n + 1, dtype=np.int64)
     np.cumsum([len(m) for m in marks], out=starts[1:])
@@ -130,6 +142,7 @@ def attribute_many(marks: Sequence[Sequence[int]], times_ms: Sequence[float] | n
         rows = np.asarray(idx)
         t = flat[starts[rows, None] + np.arange(width)]
         parts = np.diff(t, axis=1) @ _pattern_matrix(pattern)
-        out[rows, : len(PHASES) + 1] = parts
-        out[rows, len(PHASES) + 1] = (t[:, -1] - t[:, 0]) - parts[:, len(PHASES)]
+        out[rows, : len(PHASES) + 1] = parts[:, : EXCLUDED + 1]
+        out[rows, len(PHASES) + 1] = (t[:, -1] - t[:, 0]) - parts[:, EXCLUDED]
+        out[rows, len(PHASES) + 2] = parts[:, LOOP_COMM]
     return out

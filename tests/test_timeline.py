@@ -1,5 +1,6 @@
+from pytscope_core.records import PHASES
 from pytscope_core.timeline import Mark as M
-from pytscope_core.timeline import attribute
+from pytscope_core.timeline import attribute, attribute_many
 
 
 def test_phases_sum_to_wall_and_pause_is_excluded():
@@ -104,4 +105,31 @@ def test_attribute_many_matches_attribute_on_random_sequences():
     many = attribute_many(marks, [t for ts in times for t in ts])
     for row, seq, t in zip(many, marks, times, strict=True):
         phases, excluded, wall = attribute(seq, t)
-        assert np.allclose(row, [*phases, excluded, wall])
+        assert np.allclose(row[:-1], [*phases, excluded, wall])
+        assert -1e-9 <= row[-1] <= phases[PHASES.index("comm")] + 1e-9  # the loop's collectives: part of comm
+
+
+def test_the_loops_own_collectives_are_comm_and_counted_apart():
+    # A logging all-reduce after the optimizer step, and Lightning's SIGTERM broadcast at the loop top: comm
+    # (a rank the others wait for there is named), and apart from the gradient all-reduce's comm.
+    marks = [
+        M.DATA_BEGIN,
+        M.DATA_END,
+        M.LOOP_COMM_BEGIN,
+        M.LOOP_COMM_END,
+        M.FORWARD_BEGIN,
+        M.FORWARD_END,
+        M.BACKWARD_BEGIN,
+        M.GRAPH_DONE,
+        M.BACKWARD_END,
+        M.OPTIMIZER_BEGIN,
+        M.OPTIMIZER_END,
+        M.LOOP_COMM_BEGIN,
+        M.LOOP_COMM_END,
+        M.STEP_END,
+    ]
+    times = [0, 1, 1, 3, 3, 5, 5, 9, 12, 12, 13, 13, 17, 17]
+    (row,) = attribute_many([marks], times)
+    phases, _, wall = attribute(marks, times)
+    assert phases == [1, 2, 4, 3 + 2 + 4, 1, 0] and wall == 17
+    assert row[-1] == 2 + 4
