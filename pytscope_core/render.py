@@ -109,16 +109,7 @@ def render_run(summary: Summary) -> RenderableType:
         more = len(ends) - MAX_RANK_END_ROWS
         table.add_row("", Text(f"... and {more} more ranks' own records, with why (run.rank_ends in --json)"))
     if not r.ended:
-        hung = any(f.code == "DIST.HANG" and f.severity is Severity.HIGH for f in summary.findings)
-        table.add_row(
-            "end",
-            Text(
-                "no end-of-run summary: ended by the hang below (on_hang='abort'), killed, or still hung "
-                "(on_hang='report')"
-                if hung
-                else "no end-of-run summary: killed (SIGKILL, out of memory, a hang's abort) or still running"
-            ),
-        )
+        table.add_row("end", Text(_no_summary(summary)))
     table.add_row("elapsed", _num(g.elapsed_s, ".1f", " s"))
     goodput = "n/a" if not math.isfinite(g.goodput) else f"{100 * g.goodput:.1f}%"
     lost = [
@@ -134,6 +125,21 @@ def render_run(summary: Summary) -> RenderableType:
     if r.device:
         table.add_row("device", Text(r.device))
     return Group(_section("Run summary"), table)
+
+
+def _no_summary(summary: Summary) -> str:
+    """Why the run has no end-of-run summary, as far as it says: a hang, a SIGTERM that reached every rank
+    (each wrote its records and why), else a kill or a run still going."""
+    r = summary.run
+    if any(f.code == "DIST.HANG" and f.severity is Severity.HIGH for f in summary.findings):
+        return (
+            "no end-of-run summary: ended by the hang below (on_hang='abort'), killed, or still hung "
+            "(on_hang='report')"
+        )
+    said = {e.rank: e.reason for e in r.rank_ends}
+    if len(said) >= r.world_size and all(why.startswith("SIGTERM") for why in said.values()):
+        return "no end-of-run summary: SIGTERM stopped every rank (each wrote its own records first)"
+    return "no end-of-run summary: killed (SIGKILL, out of memory, a hang's abort) or still running"
 
 
 def _world_sizes(world_size: int, segments: Sequence[SegmentSpan]) -> str:

@@ -140,6 +140,24 @@ def test_a_rank_that_wrote_its_own_rows_to_the_end_is_not_said_to_end_early():
     assert "rank 2" in text and "records end at step 98" in text
 
 
+def test_a_run_that_sigterm_stopped_on_every_rank_is_not_said_to_be_killed():
+    full = run(steps=100, ranks=2, slow_rank=None)
+    notes = ((0, "SIGTERM"), (1, "SIGTERM while at step 100 in `forward` for 15 s"))
+    text = " ".join(
+        text_of(
+            render_summary(summarize(full, RunContext(world_size=2, rank_notes=notes, ended=False)))
+        ).split()
+    )
+    assert "no end-of-run summary: SIGTERM stopped every rank" in text and "SIGKILL" not in text
+    # One rank's SIGTERM (the launcher's, after the other rank died): the other may have been killed.
+    text = " ".join(
+        text_of(
+            render_summary(summarize(full, RunContext(world_size=2, rank_notes=notes[:1], ended=False)))
+        ).split()
+    )
+    assert "no end-of-run summary: killed (SIGKILL" in text
+
+
 def test_many_ranks_own_records_stay_a_few_lines():
     # A launcher's SIGTERM on 64 ranks: each wrote its own rows and why; the report lists the ranks whose records
     # end earliest and counts the rest.
