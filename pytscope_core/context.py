@@ -59,6 +59,31 @@ RAISED = " raised "
 """In the reason a rank wrote its own rows with, when an exception ended it ("the fit raised ...")."""
 LEFT = " left the job "
 """...and when it ended without finish() while another rank waited for it ("the process left the job ...")."""
+NOT_FAILURES = ("KeyboardInterrupt", "SystemExit")
+"""Exceptions after RAISED that end a rank without failing it: a user's Ctrl-C, a script's exit."""
+FINISH_WITHOUT_ALL = "finish without every rank"
+"""A rank's reason when it finished and the others never came to the last gather."""
+FINISH_AFTER_TEARDOWN = "finish() after the process group was destroyed"
+FIT_ENDED_EARLY = "the fit ended before its training did"
+"""Lightning: a rank's fit ended (its teardown ran) before its training loop reached its end."""
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+"""What gloo raises in a collective when another process of the job has died or left: the error of a rank
+that lost its peer, not a failure of its own."""
+
+
+def lost_a_peer(reason: str) -> bool:
+    """Whether a rank's error is a collective's lost connection to another rank that had gone."""
+    return any(text in reason for text in PEER_GONE)
+
+
+def ended_alone(reason: str) -> bool:
+    """Whether a rank's own reason says that its process ended without the other ranks, with no failure of
+    its own: it finished or exited first (out of batches, an early stop one rank decided), or a SIGTERM
+    reached it. The other ranks' collectives then lose their connection to it."""
+    exited = RAISED in reason and reason.split(RAISED, 1)[1].startswith(NOT_FAILURES)
+    return exited or reason.startswith(
+        ("SIGTERM", FINISH_WITHOUT_ALL, FINISH_AFTER_TEARDOWN, FIT_ENDED_EARLY)
+    )
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from .arrays import RunArrays
-from .context import LEFT, RAISED, CountsCheck, RankFailure, ReplicaCheck, RunContext, Segment
+from .context import LEFT, NOT_FAILURES, RAISED, CountsCheck, RankFailure, ReplicaCheck, RunContext, Segment
 from .findings import Finding
 from .records import COL, COLUMNS, NCOLS, PHASE_COLS
 
@@ -240,7 +240,6 @@ def read_rank_files(
     return rows, reasons, failures
 
 
-NOT_FAILURES = ("KeyboardInterrupt", "SystemExit")  # a user's Ctrl-C, a script's exit: ended, not failed
 FOLLOWS_A_PEER = ("by peer", "remote worker", "communicator was aborted")
 """In a collective's error when another rank left first: where the times do not tell (a run from before they
 were written), such a failure comes after the others."""

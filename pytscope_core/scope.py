@@ -28,7 +28,7 @@ from typing import Any
 
 from .clocks import Clock, CudaEventClock
 from .collectives import collective_wait
-from .context import SCOPE_DISABLED
+from .context import SCOPE_DISABLED, lost_a_peer
 from .coordinator import Coordinator, RanksNotMet
 from .findings import Finding
 from .flops import StepFlops
@@ -344,10 +344,6 @@ class Scope:
         say(self.rank, message)
 
 
-PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
-"""What gloo raises in the scope's own collectives when another process of the job has died."""
-
-
 def disabled_message(exc: BaseException) -> str:
     """Why the scope disabled itself: its internal error, or another rank gone (its process ended, e.g. by an
     exception of its own, while this one waited for it in a collective of the scope's, or in a hook): not the
@@ -355,7 +351,7 @@ def disabled_message(exc: BaseException) -> str:
     text = f"{type(exc).__name__}: {exc}"
     if isinstance(exc, RanksNotMet):
         return f"{SCOPE_DISABLED}, training continues: {exc}"
-    if any(s in str(exc) for s in PEER_GONE):
+    if lost_a_peer(str(exc)):
         return f"another rank left the job while this one waited for it, {SCOPE_DISABLED}, training continues: {text}"
     return f"internal error, {SCOPE_DISABLED}, training continues: {text}"
 

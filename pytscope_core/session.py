@@ -26,7 +26,7 @@ import numpy as np
 
 from .clocks import CudaEventClock
 from .collectives import TorchCollectives
-from .context import LEFT, Segment
+from .context import FINISH_AFTER_TEARDOWN, FINISH_WITHOUT_ALL, LEFT, Segment
 from .coordinator import default_store, dist_alive
 from .findings import Finding
 from .records import COL
@@ -283,10 +283,10 @@ class RunSession:
                 )
                 coordinator.gatherer = None
                 if self.rank != 0:  # rank 0 writes its own below, as a process of its own
-                    self.own_rows.flush("finish() after the process group was destroyed")
+                    self.own_rows.flush(FINISH_AFTER_TEARDOWN)
             elif absent is not None:
                 scope.note(absent, error=True)
-                self.own_rows.flush(absent if LEFT in absent else "finish without every rank")
+                self.own_rows.flush(absent if LEFT in absent else FINISH_WITHOUT_ALL)
                 coordinator.gatherer = None
             if coordinator.distributed or self.rank == 0:
                 self.gather(final=True)

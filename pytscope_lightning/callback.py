@@ -34,6 +34,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("pytscope_lightning needs Lightning: pip install 'pytscope[lightning]'") from exc
 
 from pytscope_core.collectives import DDP_BUFFER_SYNC, restore_method, time_methods, untime_methods
+from pytscope_core.context import FIT_ENDED_EARLY
 from pytscope_core.options import ScopeOptions
 from pytscope_core.scope import Scope, raised
 from pytscope_core.shards import uneven_shards_finding
@@ -164,7 +165,7 @@ class ScopeCallback(Callback):
         self._stage = None
         if stage == "fit" and self.scope is not None and not self.scope.finished:
             _unhook_trainer(trainer)
-            self.scope.stop("the fit ended before its training did")
+            self.scope.stop(FIT_ENDED_EARLY)
 
     # -- one step -----------------------------------------------------------------------------------------
     @_guarded

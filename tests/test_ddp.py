@@ -386,6 +386,30 @@ def test_a_rank_that_exits_alone_mid_training_is_named_as_the_one_that_left(tmp_
     )
 
 
+def test_a_rank_killed_mid_training_is_named_not_the_lost_connection_of_the_rank_that_survived(tmp_path):
+    # Rank 1 SIGKILLs itself at step 30 (the out-of-memory killer's way): it writes nothing. Gloo resets rank
+    # 0's connection at once, so rank 0 raises in that step's all-reduce without having waited for rank 1:
+    # its "connection reset by peer" is the only error written, and the report must name rank 1. (torchrun
+    # checks its workers every 5 s here: with its default 0.1 s, its SIGTERM may reach rank 0 before it raises.)
+    cmd = [
+        *(sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--max_restarts", "0"),
+        *("--monitor-interval", "5", "--master_port", str(free_port())),
+        str(Path(__file__).parent / "scripts" / "node_job.py"),
+        *("--run-dir", str(tmp_path / "run"), "--out", str(tmp_path), "--interval", "10", "--kill-at", "30"),
+    ]
+    done = subprocess.run(
+        cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode != 0
+    s = report(tmp_path / "run")
+    ends = {e["rank"]: e for e in s["run"]["rank_ends"]}
+    assert "by peer" in ends[0]["reason"], ends  # (what this test is about: rank 0 raised before any SIGTERM)
+    (failed,) = [f for f in s["findings"] if f["code"] == "RUN.FAILED"]
+    assert failed["severity"] == "HIGH" and failed["ranks"] == [1], failed
+    assert failed["steps"] == [ends[1]["last_step"]] and failed["title"].startswith("rank 1 was killed")
+    assert "rank 1's process died" in failed["recommendation"]
+
+
 JOIN_RUN = dict(
     interval=5, gather_timeout=20.0, epochs=1, loader=True
 )  # (a stall would take 20 s, then fail)

@@ -366,6 +366,64 @@ def test_a_failure_the_job_resumed_past_is_med_and_a_users_interrupt_is_no_failu
     assert "RUN.FAILED" not in {f.code for f in findings_of(tmp_path / "c")}
 
 
+GLOO_RESET = (
+    "the process raised RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
+    "[127.0.0.1]:61669: Connection reset by peer. This is typically caused by a rem"
+)
+
+
+def own_rows(rows, rank):
+    return rows[rows[:, COL["rank"]] == rank]
+
+
+def test_a_rank_killed_without_a_word_is_named_not_the_lost_connection_that_followed(tmp_path):
+    # Rank 1 was SIGKILLed (the OOM killer) after the gather of step 50 and said nothing. Gloo resets rank 0's
+    # connection at once, so rank 0 raised in its next all-reduce before it had waited for rank 1 at all:
+    # its lost connection is the only error written, and must not be read as the cause.
+    write_run(tmp_path / "r", steps=50)
+    append_rank_rows(tmp_path / "r", 0, own_rows(rows_for(steps=19, first=51), 0), GLOO_RESET)
+    (failed,) = [f for f in findings_of(tmp_path / "r") if f.code == "RUN.FAILED"]
+    assert failed.severity is Severity.HIGH and failed.ranks == (1,) and failed.steps == (50,)
+    assert failed.title.startswith("rank 1 was killed (no error of its own; records end at step 50)")
+    assert "Rank 0 then raised RuntimeError: … Connection reset by peer after step 69" in failed.detail
+    assert "rank 1's process died" in failed.recommendation and "dmesg" in failed.recommendation
+    assert "Read rank 0" not in failed.recommendation
+    # Mirrored, and before the first gather: rank 0 killed with no record at all, rank 1's connection lost.
+    w = RunWriter(tmp_path / "k", {"world_size": 2, "interval": 50, "warmup": 2})
+    w.event("segment", index=0, started_s=1000.0, resumed_from_step=0, world_size=2)
+    w.close()
+    append_rank_rows(tmp_path / "k", 1, own_rows(rows_for(steps=29), 1), GLOO_RESET)
+    (failed,) = [f for f in findings_of(tmp_path / "k") if f.code == "RUN.FAILED"]
+    assert failed.ranks == (0,) and failed.steps == () and "no records" in failed.title, failed
+
+
+def test_a_rank_that_finished_alone_is_named_not_the_lost_connection_that_followed(tmp_path):
+    # Rank 1 ran out of batches after step 30 and called finish(), which gave up on rank 0 (still training)
+    # and ended the process; rank 0's next all-reduce then found the connection closed.
+    write_run(tmp_path / "r", steps=20)
+    rest = rows_for(steps=10, first=21)
+    append_rank_rows(tmp_path / "r", 1, own_rows(rest, 1), "finish without every rank")
+    closed = (
+        "the process raised RuntimeError: [../gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+        "[127.0.0.1]:10964. This is typically caused by a remote worker"
+    )
+    append_rank_rows(tmp_path / "r", 0, own_rows(rest, 0), closed)
+    (failed,) = [f for f in findings_of(tmp_path / "r") if f.code == "RUN.FAILED"]
+    assert failed.ranks == (1,) and failed.steps == (30,), failed
+    assert failed.title.startswith("rank 1 ended after step 30 without the other ranks")
+    assert "fewer batches" in failed.recommendation and "Read rank 0" not in failed.recommendation
+
+
+def test_a_single_rank_failure_points_at_no_other_ranks(tmp_path):
+    w = RunWriter(tmp_path / "r", {"world_size": 1, "interval": 10, "warmup": 2})
+    w.event("segment", index=0, started_s=1000.0, resumed_from_step=0, world_size=1)
+    w.append_rows(rows_for(world=1, steps=20))
+    w.close()
+    append_rank_rows(tmp_path / "r", 0, np.empty((0, NCOLS)), "the process raised ValueError: bad", 20)
+    (failed,) = [f for f in findings_of(tmp_path / "r") if f.code == "RUN.FAILED"]
+    assert failed.ranks == (0,) and "other ranks" not in failed.recommendation, failed.recommendation
+
+
 def test_what_cannot_be_read_is_said_and_the_rest_kept(tmp_path, monkeypatch):
     """No permission (as a user other than root sees it): a run directory that cannot be looked into is bad
     input, one rank's unreadable file leaves the other ranks' rows read, with a note naming it."""

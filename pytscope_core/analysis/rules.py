@@ -17,10 +17,10 @@ from collections.abc import Callable, Iterable
 
 import numpy as np
 
-from ..context import LEFT, RAISED, RankFailure
+from ..context import LEFT, PEER_GONE, RAISED, RankFailure, ended_alone, lost_a_peer
 from ..findings import Finding, Severity, format_ranks, severity_at
 from .distributed import CountDivergence, majority
-from .run import RunAnalysis
+from .run import KILLED, RankEnd, RunAnalysis
 from .timing import few_steps_note
 
 log = logging.getLogger(__name__)
@@ -580,61 +580,171 @@ def _stalls_reported_as_hangs(a: RunAnalysis) -> dict[int, int]:
 def failed(a: RunAnalysis) -> list[Finding]:
     """The rank whose exception came first, each time one ended a launch, or that left the job first (its
     process ended without finish() while another rank waited for it): the other ranks' errors (a
-    collective's "connection closed by peer") most likely followed from it. HIGH where it ended the run, MED
-    where the job was resumed past it (the restart's cost is in the goodput)."""
+    collective's "connection closed by peer") most likely followed from it. Where every error of a launch is
+    such a lost connection, the rank that ended first without one is named instead: killed (its records just
+    stop, nothing said) or ended alone (it finished or exited while the others trained on). HIGH where it
+    ended the run, MED where the job was resumed past it (the restart's cost is in the goodput)."""
     out, seen = [], set()
-    for first in a.ctx.failures:
+    for failure in a.ctx.failures:
         # One finding per launch (a run from before launches were written: whether the job went on past).
-        launch = _launch_of(first)
+        launch = _launch_of(failure)
         if launch in seen:
             continue
         seen.add(launch)
         same = [f for f in a.ctx.failures if _launch_of(f) == launch]
-        others = [f for f in same if f.rank != first.rank]
-        after = "" if first.last_step is None else f" after step {first.last_step}"
-        left = LEFT in first.reason  # (it ended without finish() while another rank waited for it)
-        what = first.reason.split(LEFT if left else RAISED, 1)[-1]
-        title = (
-            f"rank {first.rank} left the job{after} {what}"
-            if left
-            else f"rank {first.rank} failed{after}: {what}"
-        )
-        detail = (
-            f"Rank {first.rank} left the job{after} {what}."
-            if left
-            else f"Rank {first.rank} raised {what}{after}."
-        )
-        if others:
-            ranks = sorted({f.rank for f in others})
-            then = others[0].reason.split(RAISED, 1)[-1]
-            detail += (
-                f" Rank{'s' if len(ranks) > 1 else ''} {format_ranks(ranks)} raised after it "
-                f"({then[:60]}{'…' if len(then) > 60 else ''}), most likely because rank {first.rank} had left."
-            )
-        past = first.resumed_past
-        detail += (
-            " The job was resumed past it (restarts: the goodput line)." if past else " The run ended there."
-        )
-        out.append(
-            Finding(
-                code="RUN.FAILED",
-                severity=Severity.MED if past else Severity.HIGH,
-                title=title[:160],
-                detail=detail,
-                recommendation=(
-                    f"Find where rank {first.rank} ends early (a sys.exit() or return that one rank decides "
-                    "alone: a NaN guard, early stopping, a time limit): decide it on every rank together "
-                    "(all_reduce the flag), then exit the loop on all of them; the other ranks' errors followed."
-                    if left
-                    else f"Read rank {first.rank}'s traceback first (its own log; torchrun names the first failure "
-                    "too): the other ranks' errors followed from it."
-                ),
-                ranks=(first.rank,),
-                steps=() if first.last_step is None else (first.last_step,),
-                evidence={"failed_ranks": len({f.rank for f in same})},
-            )
-        )
+        # A lost connection follows a rank that was gone: another failure of the launch is the cause, whatever
+        # the order the ranks wrote them in (their clocks, their exit paths).
+        first = next((f for f in same if not lost_a_peer(f.reason)), same[0])
+        gone = _gone_first(a, first, same) if lost_a_peer(first.reason) else None
+        out.append(_peer_gone(a, gone, same) if gone is not None else _failure(a, first, same))
     return out
+
+
+def _failure(a: RunAnalysis, first: RankFailure, same: list[RankFailure]) -> Finding:
+    others = [f for f in same if f.rank != first.rank]
+    after = "" if first.last_step is None else f" after step {first.last_step}"
+    left = LEFT in first.reason  # (it ended without finish() while another rank waited for it)
+    what = first.reason.split(LEFT if left else RAISED, 1)[-1]
+    title = (
+        f"rank {first.rank} left the job{after} {what}"
+        if left
+        else f"rank {first.rank} failed{after}: {what}"
+    )
+    detail = (
+        f"Rank {first.rank} left the job{after} {what}."
+        if left
+        else f"Rank {first.rank} raised {what}{after}."
+    )
+    if others:
+        ranks = sorted({f.rank for f in others})
+        then = others[0].reason.split(RAISED, 1)[-1]
+        detail += (
+            f" Rank{'s' if len(ranks) > 1 else ''} {format_ranks(ranks)} raised after it "
+            f"({then[:60]}{'…' if len(then) > 60 else ''}), most likely because rank {first.rank} had left."
+        )
+    lost = lost_a_peer(first.reason)  # (with no rank known to have gone first: a launch resumed past)
+    if lost:
+        detail += (
+            " That error is a lost connection: another rank's process had ended first (killed, or it left the "
+            "loop), with nothing recorded of its own."
+        )
+    detail += _ended(first)
+    followed = ": the other ranks' errors followed from it." if a.world_size > 1 else "."
+    if left:
+        advice = (
+            f"Find where rank {first.rank} ends early (a sys.exit() or return that one rank decides alone: a NaN "
+            "guard, early stopping, a time limit): decide it on every rank together (all_reduce the flag), then "
+            "exit the loop on all of them; the other ranks' errors followed."
+        )
+    elif lost:
+        advice = (
+            f"Rank {first.rank}'s error says another rank was gone: find the rank that ended first (torchrun's "
+            '"Root Cause", each rank\'s exit code and log; -9 is SIGKILL, and the kernel log, `dmesg -T`, says '
+            "where the out-of-memory killer struck)."
+        )
+    else:
+        advice = f"Read rank {first.rank}'s traceback first (its own log; torchrun names the first failure too){followed}"
+    return Finding(
+        code="RUN.FAILED",
+        severity=Severity.MED if first.resumed_past else Severity.HIGH,
+        title=title[:160],
+        detail=detail,
+        recommendation=advice,
+        ranks=(first.rank,),
+        steps=() if first.last_step is None else (first.last_step,),
+        evidence={"failed_ranks": len({f.rank for f in same})},
+    )
+
+
+def _gone_first(a: RunAnalysis, lost: RankFailure, same: list[RankFailure]) -> RankEnd | None:
+    """The rank that `lost`'s collective lost its connection to: one whose records end, by that step, with no
+    failure of its own: killed first (nothing said: gloo resets the connection the moment a process dies, so
+    the survivors raise before any of them waits long enough to name it), then one that ended alone, each
+    the earliest. None where the run's rank ends are not that launch's (the job was resumed past it)."""
+    if lost.resumed_past:
+        return None
+    failed = {f.rank for f in same}
+    gone = [
+        e
+        for e in a.rank_ends
+        if e.rank not in failed
+        and (e.reason in KILLED or ended_alone(e.reason))
+        and (e.last_step is None or lost.last_step is None or e.last_step <= lost.last_step)
+    ]
+    return min(
+        gone,
+        key=lambda e: (e.reason not in KILLED, e.last_step is not None, e.last_step or 0, e.rank),
+        default=None,
+    )
+
+
+def _peer_gone(a: RunAnalysis, gone: RankEnd, same: list[RankFailure]) -> Finding:
+    """RUN.FAILED for a rank that died or left first, every failure recorded being a lost connection to it."""
+    first, rank, killed = same[0], gone.rank, gone.reason in KILLED
+    lost = sorted({f.rank for f in same})
+    them = f"rank{'s' if len(lost) > 1 else ''} {format_ranks(lost)}"
+    followed = f"{them} then lost {'their' if len(lost) > 1 else 'its'} connection to it"
+    error = _lost_connection(first.reason) + (
+        "" if first.last_step is None else f" after step {first.last_step}"
+    )
+    then = f" {them.capitalize()} then raised {error}: a collective's lost connection, which followed, not a failure of its own."
+    who = a.ctx.placement.describe(rank).capitalize()
+    if killed:
+        records = "no records" if gone.last_step is None else f"records end at step {gone.last_step}"
+        title = f"rank {rank} was killed (no error of its own; {records}); {followed}"
+        detail = (
+            f"{who} ended with no error and no reason of its own recorded: its process was most likely killed "
+            "(SIGKILL: the out-of-memory killer, the scheduler, a user). "
+            + (
+                "It died before its first gather."
+                if gone.last_step is None
+                else f"Its records end at step {gone.last_step}: later steps, if any, were never gathered."
+            )
+        )
+        advice = (
+            f"Find out why rank {rank}'s process died: its exit code (torchrun's \"Root Cause\" names it; -9 is "
+            "SIGKILL), the kernel log on its host for the out-of-memory killer (`dmesg -T | grep -i -E "
+            "'killed process|out of memory'`), its own log"
+        )
+    else:
+        where = "" if gone.last_step is None else f" after step {gone.last_step}"
+        title = f"rank {rank} ended{where} without the other ranks ({gone.reason[:60]}); {followed}"
+        detail = f"{who} ended{where} while the other ranks trained on, saying: {gone.reason}."
+        advice = (
+            f"Find what sent rank {rank} SIGTERM (a scheduler's preemption or time limit, a launcher, a user)"
+            if gone.reason.startswith("SIGTERM")
+            else f"Find why rank {rank} stopped before the others: fewer batches than theirs (give every rank "
+            "as many: a DistributedSampler with drop_last=True, or torch's Join), or a stop that one rank "
+            "decides alone (early stopping, a time limit, a sys.exit()): decide it on every rank together "
+            "(all_reduce the flag)"
+        )
+    return Finding(
+        code="RUN.FAILED",
+        severity=Severity.MED if first.resumed_past else Severity.HIGH,
+        title=title[:160],
+        detail=detail + then + _ended(first),
+        recommendation=f"{advice}. What {them} raised followed from it.",
+        ranks=(rank,),
+        steps=() if gone.last_step is None else (gone.last_step,),
+        evidence={"failed_ranks": len(lost)},
+    )
+
+
+def _lost_connection(reason: str) -> str:
+    """A lost connection's error, short: "RuntimeError: … Connection reset by peer" (gloo's own text starts with
+    its source file and ends in a hint, cut)."""
+    what = reason.split(RAISED, 1)[-1]
+    kind = what.split(":", 1)[0] if ":" in what else ""
+    said = next((text for text in PEER_GONE if text in what), None)
+    return f"{kind}: … {said}" if said is not None and kind.isidentifier() else what
+
+
+def _ended(first: RankFailure) -> str:
+    return (
+        " The job was resumed past it (restarts: the goodput line)."
+        if first.resumed_past
+        else " The run ended there."
+    )
 
 
 def _launch_of(f: RankFailure) -> object:

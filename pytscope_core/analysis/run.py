@@ -99,6 +99,10 @@ def launch_last_steps(arrays: RunArrays) -> dict[int, int]:
 
 
 JOINED_EARLY = "it ran out of batches and waited inside join() while the others trained on (uneven inputs)"
+NEVER_GATHERED = "its last steps were never gathered (killed?)"
+NO_RECORDS = "none gathered nor written by it (killed before its first gather?)"
+KILLED = (NEVER_GATHERED, NO_RECORDS)
+"""The reasons of a rank whose records end with nothing said by the rank itself: its process died at once."""
 
 
 def rank_ends(arrays: RunArrays, ctx: RunContext) -> tuple[RankEnd, ...]:
@@ -136,7 +140,7 @@ def rank_ends(arrays: RunArrays, ctx: RunContext) -> tuple[RankEnd, ...]:
         elif _took_fewer_steps(ctx, rank):
             reason = "it took fewer optimizer steps than other ranks (DIST.DESYNC)"
         else:
-            reason = "its last steps were never gathered (killed?)"
+            reason = NEVER_GATHERED
         out.append(RankEnd(rank, last, reason))
     out += [  # ranks of the run without a single record: gone before their first gather and their own file
         RankEnd(
@@ -144,9 +148,7 @@ def rank_ends(arrays: RunArrays, ctx: RunContext) -> tuple[RankEnd, ...]:
             None,
             dict(ctx.rank_notes).get(
                 r,
-                JOINED_EARLY
-                if any(rank == r for rank, _ in ctx.joins)
-                else "none gathered nor written by it (killed before its first gather?)",
+                JOINED_EARLY if any(rank == r for rank, _ in ctx.joins) else NO_RECORDS,
             ),
         )
         for r in sorted(set(range(ctx.world_size)) - set(arrays.ranks.tolist()))

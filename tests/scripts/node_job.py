@@ -4,7 +4,8 @@ Each launcher gives its workers a host name through `PYTSCOPE_HOST`; `--slow-hos
 (or, with `--slow-local-rank`, one of them) busy-wait `--spin-ms` per step. Steps are compute-light, so four
 processes share two cores without the injected slowdown drowning in scheduling noise. Every rank writes the
 payload bytes of its gathers (sent, received) to `--out/traffic-rank<N>.json`. `--raise-at STEP` makes rank 1
-raise at that step, never calling `finish()`: the end a crash leaves to the interpreter's exit.
+raise at that step, never calling `finish()`: the end a crash leaves to the interpreter's exit; `--kill-at STEP`
+makes it SIGKILL itself there, as the out-of-memory killer would: nothing of its own is written.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -40,6 +42,7 @@ def main() -> None:
     p.add_argument("--spin-ms", type=float, default=4.0)
     p.add_argument("--raise-at", type=int, default=None)
     p.add_argument("--exit-at", type=int, default=None, help="rank 1 calls sys.exit(3) there")
+    p.add_argument("--kill-at", type=int, default=None, help="rank 1 SIGKILLs itself there")
     p.add_argument("--hang-timeout", default=None, help='"auto", or seconds (default: no hang detection)')
     args = p.parse_args()
 
@@ -59,6 +62,8 @@ def main() -> None:
     for step in range(1, args.steps + 1):
         if rank == 1 and step == args.raise_at:
             raise RuntimeError(f"injected failure [rank {rank}, step {step}]")  # brackets: not rich markup
+        if rank == 1 and step == args.kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
         if rank == 1 and step == args.exit_at:
             sys.exit(
                 3
