@@ -167,6 +167,32 @@ def test_exposed_communication_advice_fits_the_wrapper_and_one_rank_has_none(par
     assert "DIST.COMM_BOUND" not in codes(diagnose(one, RunContext(world_size=2, parallelism=parallelism)))
 
 
+@pytest.mark.parametrize("integration", [None, "lightning"])
+def test_exposed_communication_in_the_loops_own_collectives_is_not_blamed_on_the_gradients(integration):
+    # Lightning broadcasts its SIGTERM flag at every batch's top: with 4 micro-batches per step, 4 collectives
+    # made most of the "gradient communication" the finding spoke of, and its advice (accumulate over more
+    # micro-batches) added to them.
+    ph = np.zeros((200, 2, 6))
+    ph[:, :, 1], ph[:, :, 2], ph[:, :, 3] = 3.0, 4.0, 3.0
+    ctx = RunContext(world_size=2, parallelism="ddp", integration=integration)
+
+    def comm_bound(loop_ms):
+        arrays = RunArrays.from_arrays(ph, loop_comm_ms=np.full((200, 2), loop_ms))
+        (found,) = [f for f in diagnose(arrays, ctx, strict=True) if f.code == "DIST.COMM_BOUND"]
+        return found
+
+    loop = comm_bound(2.5)
+    assert loop.title == "The loop's own collectives are a large, exposed share of the step"
+    assert "2.50 ms of it in collectives the loop calls itself" in loop.detail
+    assert ("SIGTERM flag Lightning broadcasts" in loop.detail) == (integration == "lightning")
+    assert "bucket_cap_mb" not in loop.recommendation and "fewer collectives per step" in loop.recommendation
+    some = comm_bound(0.5)
+    assert some.title == "Gradient communication is a large, exposed share of the step"
+    assert "0.50 ms of it in collectives the loop calls itself" in some.detail
+    assert "collectives the loop" not in comm_bound(0.0).detail
+    assert "collectives the loop" not in comm_bound(math.nan).detail  # (a run recorded before the column)
+
+
 def test_a_step_stalled_on_one_rank_is_named_with_its_rank_and_phase():
     # A 20 s checkpoint left out of paused() on rank 0 at step 40 of 120 ten-millisecond steps: rank 0's
     # `other` holds it, rank 1 waits in its all-reduce. Jitter statistics barely move (one step of 120).

@@ -128,6 +128,9 @@ class DistributedTiming:
     hosts: tuple[str, ...] = ()  # per_rank's hosts, in its order (empty: placement unknown)
     local_ranks: tuple[int, ...] = ()  # ...and local ranks
     intermittent: Intermittent | None = None  # a rank that makes most of the slow steps slow
+    # Of transfer_ms: the least-blocked rank's time in collectives the loop calls itself (a barrier, a logging
+    # all-reduce, Lightning's per-batch SIGTERM broadcast), not gradient communication; NaN where not recorded
+    loop_transfer_ms: float = math.nan
     since: int | None = None  # this analysis covers the steps from this one on (a `late` tail)
     late: DistributedTiming | None = None  # no straggler over the whole window, but one over its last steps
 
@@ -238,6 +241,8 @@ def _distributed_timing(arrays: RunArrays, sel: np.ndarray) -> DistributedTiming
 
     transfer = comm_all.min(axis=1)
     sync_wait = comm_all - transfer[:, None]
+    loop = arrays.loop_comm_ms[sel][complete] if not complete.all() else arrays.loop_comm_ms[sel]
+    loop_transfer = np.minimum(loop[np.arange(n), comm_all.argmin(axis=1)], transfer)  # (the same rank's)
     data = arrays.phases[:, :, _DATA][sel]
     if not complete.all():
         data = data[complete]
@@ -305,6 +310,7 @@ def _distributed_timing(arrays: RunArrays, sel: np.ndarray) -> DistributedTiming
         next_slowest_local_ms=next_local,
         steps_counted=n,
         intermittent=intermittent,
+        loop_transfer_ms=float(np.median(loop_transfer)),  # (NaN in runs recorded before the column)
     )
 
 

@@ -293,29 +293,76 @@ def comm_bound(a: RunAnalysis) -> list[Finding]:
     if a.world_size < 2 or len(d.per_rank) < 2:
         return []
     sharded = (a.ctx.parallelism or "").startswith("fsdp2")
+    loop = d.loop_transfer_ms if math.isfinite(d.loop_transfer_ms) else 0.0
+    lightning = a.ctx.integration == "lightning"
+    collectives = "a barrier, an all-reduce of the loss for logging" + (
+        ", the SIGTERM flag Lightning broadcasts at the top of every batch, once per micro-batch"
+        if lightning
+        else ""
+    )
+    transfer = (
+        f"{d.transfer_ms:.2f} ms in the median step, {_pct(d.transfer_share)} of all wall time (an estimate of "
+        "transfer, excluding waits for slower ranks)"
+    )
+    evidence = {"transfer_ms": d.transfer_ms, "transfer_share": d.transfer_share, "loop_comm_ms": loop}
+    severity = Severity.HIGH if d.transfer_share >= COMM_HIGH_SHARE else Severity.MED
+    if loop >= LOOP_COMM_MAJORITY * d.transfer_ms:  # not the gradients': the loop's own collectives
+        return [
+            Finding(
+                code="DIST.COMM_BOUND",
+                severity=severity,
+                title="The loop's own collectives are a large, exposed share of the step",
+                detail=(
+                    f"Even the least-blocked rank waits in communication: {transfer}; {loop:.2f} ms of it in "
+                    f"collectives the loop calls itself ({collectives}), not in gradient communication."
+                ),
+                recommendation=(
+                    "Call fewer collectives per step: reduce metrics across ranks every N steps or at the epoch's "
+                    "end"
+                    + (" (self.log(..., sync_dist=True) only where needed)" if lightning else "")
+                    + ", and drop per-step barriers"
+                    + (
+                        "; Lightning's SIGTERM broadcast comes with every batch, so accumulating gradients over more "
+                        "micro-batches adds to it, and fewer, larger batches lower it"
+                        if lightning
+                        else ""
+                    )
+                    + "."
+                ),
+                evidence=evidence,
+            )
+        ]
     where = (
         "in FSDP's parameter all-gathers and gradient reduce-scatters"
         if sharded
         else "in gradient communication after its backward finished"
     )
+    also = (
+        f" ({loop:.2f} ms of it in collectives the loop calls itself: {collectives})"
+        if loop >= LOOP_COMM_MENTION * d.transfer_ms
+        else ""
+    )
     return [
         Finding(
             code="DIST.COMM_BOUND",
-            severity=Severity.HIGH if d.transfer_share >= COMM_HIGH_SHARE else Severity.MED,
+            severity=severity,
             title=(
                 "FSDP's all-gathers and reduce-scatters are a large, exposed share of the step"
                 if sharded
                 else "Gradient communication is a large, exposed share of the step"
             ),
-            detail=(
-                f"Even the least-blocked rank waits {where}: {d.transfer_ms:.2f} ms in the median step, "
-                f"{_pct(d.transfer_share)} of all wall time (an estimate of transfer, excluding waits for "
-                "slower ranks)."
-            ),
+            detail=f"Even the least-blocked rank waits {where}: {transfer}{also}.",
             recommendation=_FSDP2_COMM_ADVICE if sharded else _DDP_COMM_ADVICE,
-            evidence={"transfer_ms": d.transfer_ms, "transfer_share": d.transfer_share},
+            evidence=evidence,
         )
     ]
+
+
+LOOP_COMM_MAJORITY = 0.5
+"""Where the loop's own collectives are at least half of the exposed transfer, they are what the finding is
+about: tuning the gradient all-reduce (buckets, accumulation, compression) would not touch them."""
+LOOP_COMM_MENTION = 0.1
+"""...and from a tenth of it on, the gradient finding says how much of its transfer they are."""
 
 
 _DDP_COMM_ADVICE = (
