@@ -347,6 +347,42 @@ def test_a_rank_slow_now_and_then_and_a_little_slower_always_is_billed_for_each_
     assert analyze(RunArrays.from_arrays(ph), RunContext(world_size=8)).distributed.stragglers == (3,)
 
 
+def _with_stall(arrays: RunArrays, step: int, rank: int, ms: float) -> RunArrays:
+    """`arrays` with `ms` more of `rank`'s own work (`other`) in `step` (0-based), the others waiting for it."""
+    ph = np.array(arrays.phases)
+    ph[step, rank, 5] += ms
+    local = ph.sum(axis=2) - ph[:, :, 3]
+    ph[:, :, 3] = local.max(axis=1, keepdims=True) - local + TRANSFER_MS
+    return RunArrays.from_arrays(ph, loss=arrays.loss[:, 0])
+
+
+def test_one_stall_on_a_stragglers_rank_is_not_billed_as_its_usual_lag():
+    # Rank 3 of 4 is 10% slower in every step and once stalls 6 s (a checkpoint on that rank alone). The mean
+    # over every step billed the stall as 20.76 ms per step, 64% of wall: a HIGH straggler next to the
+    # TIMING.STALL of the same 6 s, and the recoverable budget's advice began with the straggler.
+    base = make_run(300, 4, slow={3: 0.10})
+    usual = analyze(base, RunContext(world_size=4)).distributed
+    stalled = _with_stall(base, 150, 3, 6_000.0)
+    a = analyze(stalled, RunContext(world_size=4))
+    d = a.distributed
+    assert d.stragglers == (3,) and d.lost_ms_per_step == pytest.approx(usual.lost_ms_per_step, rel=0.02)
+    wall = float(stalled.wall_ms.mean(axis=1).sum())
+    assert d.lost_to_imbalance == pytest.approx(d.lost_ms_per_step * 300 / wall)  # its lag, in every step
+    found = {f.code: f for f in run_rules(a)}
+    assert f"costs {usual.lost_ms_per_step:.2f} ms per step" in found["DIST.STRAGGLER"].detail
+    assert found["DIST.STRAGGLER"].severity == Severity.LOW and found["TIMING.STALL"].steps == (151,)
+    advice = found["EFFICIENCY.RECOVERABLE"].recommendation
+    assert advice.startswith("Start with the largest line: the stalled step (see TIMING.STALL)"), advice
+    console = Console(file=io.StringIO(), width=200, color_system=None)
+    console.print(render_distributed(summary_of(a, run_rules(a))))
+    assert f"persistent stragglers cost {100 * d.lost_to_imbalance:.1f}%" in console.file.getvalue()
+    # A rank a little slower (a 6% edge, 5% of wall) and one 20 s stall on it: no straggler at all (it
+    # costs 0.2% of this wall), where the stall made it a HIGH one costing 85% of wall.
+    edge = _with_stall(make_run(300, 2, slow={0: 0.06}), 150, 0, 20_000.0)
+    d = analyze(edge, RunContext(world_size=2)).distributed
+    assert d.candidates == (0,) and d.stragglers == () and d.lost_to_imbalance == 0.0
+
+
 @pytest.mark.parametrize("ranks", [4, 64])
 def test_healthy_runs_have_no_high_or_med_finding(ranks):
     for seed in range(50):

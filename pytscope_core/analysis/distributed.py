@@ -26,6 +26,7 @@ from ..parallelism import comm_note
 from ..placement import Placement
 from ..records import PHASES
 from . import stats
+from .timing import STALL_FACTOR
 
 STRAGGLER_MIN_EXCESS = 0.045
 """Median local work >= 4.5% above the other ranks' median: healthy ranks differ by noise, not by this much."""
@@ -41,6 +42,13 @@ STRAGGLER_MIN_Z = 3.0
 """Binomial z of that persistence against a fair coin: keeps 200-step windows from flagging luck."""
 STRAGGLER_MIN_COST_SHARE = 0.02
 """The slow ranks' extra local work over the next-slowest rank must cost >= 2% of wall to be worth fixing."""
+
+STRAGGLER_STALL = STALL_FACTOR
+"""A step where some rank's own work took 10x the slowest rank's in the median step is a stall (TIMING.STALL's
+factor, without its 100 ms floor: a 50 ms pause in a 4 ms step is no usual lag either), left out of what a
+straggler costs. Slow steps short of that stay in: the 1.2-2x hiccups every rank has now and then are part of
+its usual work (leaving out steps from 1.5x the median lost 4 of 10 detections of a 5% straggler among 8
+ranks in benchmarks/detection.py)."""
 
 LATE_TAILS = (2, 4, 8)
 """Where the whole window names no straggler, the last 1/2, 1/4 and 1/8 of its steps are tried (each of at
@@ -273,12 +281,17 @@ def _distributed_timing(arrays: RunArrays, sel: np.ndarray) -> DistributedTiming
     intermittent, its_steps = _intermittent(local, local_med, wall_all, phases, numbers, ranks)
     del phases  # (S, R, P): not kept while the medians below make their own temporaries
 
-    # What a persistent straggler costs, over the steps an intermittent one did not make slow: those are
-    # TIMING.JITTER's and TIMING.STALL's (a rank-0-only checkpoint every 10th step is not a slow rank).
+    # What a persistent straggler costs is its usual lag: over the steps that stalled and those an intermittent
+    # one made slow, it is TIMING.STALL's and TIMING.JITTER's (a rank-0-only checkpoint every 10th step is not
+    # a slow rank; one 6 s checkpoint on the straggler's rank, averaged into its lag, billed it at 41 ms a step).
     total_wall = float(wall_all.mean(axis=1, dtype=np.float64).sum())
-    typical = np.ones(n, dtype=bool)
+    slowest = local.max(axis=1)
+    stall_bar = STRAGGLER_STALL * float(np.median(slowest))
+    typical = slowest < stall_bar if stall_bar > 0 else np.ones(n, dtype=bool)
     typical[its_steps] = False
-    lost_ms, next_local = _straggler_cost(local[typical] if its_steps.size else local, is_candidate)
+    if not typical.any():  # (no usual step left to measure a lag over: each is billed)
+        typical[:] = True
+    lost_ms, next_local = _straggler_cost(local if typical.all() else local[typical], is_candidate)
     lost_share = lost_ms * n / total_wall if total_wall > 0 else 0.0  # (its usual lag, in every step)
     is_straggler = is_candidate & (lost_share >= STRAGGLER_MIN_COST_SHARE)
     comm_med = stats.median_over_steps(comm_all)

@@ -1414,18 +1414,20 @@ _ADVICE = {
 
 
 def _advice(line: str, a: RunAnalysis) -> str:
-    """What to do about a budget line; `other` that is mostly one straggler's extra work says so."""
+    """What to do about a budget line; `other` that is mostly one straggler's extra work says so (its stalls first,
+    where they cost more than its usual lag)."""
     d = a.distributed.effective
-    if len(d.stragglers) == 1 and line in ("other", "sync wait (imbalance)"):
+    t = a.timing
+    stalled = t.stall_share >= STALL_MIN_SHARE and bool(t.stalls)
+    # The larger bill first: a stall on the straggler's rank fills the lines its usual lag fills, many times over.
+    stalls_first = stalled and t.stall_share > d.lost_to_imbalance
+    if len(d.stragglers) == 1 and line in ("other", "sync wait (imbalance)") and not stalls_first:
         slow = d.rank(d.stragglers[0])  # the others' wait is its extra work: one piece of advice for both
         if line == "sync wait (imbalance)" or slow.extra_phase == "other" and slow.extra_phase_ms > 0:
             where = f" in `{slow.extra_phase}`" if slow.extra_phase and slow.extra_phase_ms > 0 else ""
             return f"the extra work{where} on rank {slow.rank}, the straggler (see DIST.STRAGGLER)"
-    t = a.timing
-    stalled = t.stall_share >= STALL_MIN_SHARE and t.stalls
-    if stalled and (
-        line == "sync wait (imbalance)" and not d.stragglers or line == _LINE_OF.get(t.stalls[0].phase)
-    ):
+    waits_for_stalls = line == "sync wait (imbalance)" and (stalls_first or not d.stragglers)
+    if stalled and (waits_for_stalls or line == _LINE_OF.get(t.stalls[0].phase)):
         return f"the stalled step{'s' if len(t.stalls) > 1 else ''} (see TIMING.STALL)"
     if line == "sync wait (imbalance)" and not d.stragglers and d.intermittent is not None:
         return f"rank {d.intermittent.rank}'s slow steps, which the others wait for (see TIMING.JITTER)"
