@@ -135,6 +135,7 @@ class Summary:
                         "comm_ms": r.comm_ms,
                         "sync_wait_ms": r.sync_wait_ms,
                         "data_ms": r.data_ms,
+                        "data_mean_ms": r.data_mean_ms,
                         "critical_share": r.critical_share,
                         "excess": r.excess,
                         "slower_share": r.slower_share,

@@ -82,6 +82,7 @@ class RankTiming:
     comm_ms: float  # median exposed communication per step (transfer + sync wait)
     sync_wait_ms: float  # median per step of comm - the step's transfer estimate
     data_ms: float  # median data wait per step
+    data_mean_ms: float  # mean data wait per step: what data_share is made of (waits come in bursts)
     data_share: float  # data wait as a share of this rank's wall
     critical_share: float  # fraction of counted steps where this rank has the most local work
     excess: float  # median over steps of local work / median of the other ranks' local work - 1
@@ -297,19 +298,21 @@ def _distributed_timing(arrays: RunArrays, sel: np.ndarray) -> DistributedTiming
     comm_med = stats.median_over_steps(comm_all)
     wait_med = stats.median_over_steps(sync_wait)
     data_med = stats.median_over_steps(data)
+    data_sum = data.sum(axis=0, dtype=np.float64)
     with np.errstate(all="ignore"):
-        data_share = np.where(wall_sum > 0, data.sum(axis=0, dtype=np.float64) / wall_sum, 0.0)
+        data_share = np.where(wall_sum > 0, data_sum / wall_sum, 0.0)
     # One Python object per rank: columns go to lists first (numpy scalars cost 16k x 10 conversions).
     columns = zip(
         ranks,
         *(np.asarray(c, dtype=np.float64).tolist() for c in (local_med, comm_med, wait_med, data_med)),
+        (data_sum / n).tolist(),
         *(np.asarray(c, dtype=np.float64).tolist() for c in (data_share, critical, excess, slower_share, z)),
         np.asarray(is_straggler, dtype=bool).tolist(),
         strict=True,
     )
     per_rank = tuple(
-        RankTiming(rank, lm, cm, wm, dm, ds, cs, ex, ss, zz, st, *extra.get(i, (None, 0.0)))
-        for i, (rank, lm, cm, wm, dm, ds, cs, ex, ss, zz, st) in enumerate(columns)
+        RankTiming(rank, lm, cm, wm, dm, da, ds, cs, ex, ss, zz, st, *extra.get(i, (None, 0.0)))
+        for i, (rank, lm, cm, wm, dm, da, ds, cs, ex, ss, zz, st) in enumerate(columns)
     )
     return DistributedTiming(
         per_rank=per_rank,
@@ -559,7 +562,7 @@ def _excused(present: np.ndarray, segment: np.ndarray, gaps: np.ndarray) -> np.n
 def _empty(arrays: RunArrays, ranks: list[int]) -> DistributedTiming:
     nan = math.nan
     return DistributedTiming(
-        per_rank=tuple(RankTiming(r, nan, nan, nan, nan, nan, 0.0, nan, nan, 0.0, False) for r in ranks),
+        per_rank=tuple(RankTiming(r, nan, nan, nan, nan, nan, nan, 0.0, nan, nan, 0.0, False) for r in ranks),
         stragglers=(),
         candidates=(),
         intermittent=None,
