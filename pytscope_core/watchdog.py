@@ -672,7 +672,7 @@ class Watchdog(threading.Thread):
         self._attempt("dump the stacks", dump_stacks, self.run_dir, self.rank)
         if self.store is not None:
             self._attempt(
-                "tell rank 0 the stacks are dumped", self.store.set, f"{self.prefix}/dumped/{self.rank}", "1"
+                "tell rank 0 the stacks are dumped", self.store.set, self._dumped_key(self.rank), "1"
             )
         if not abort:
             return
@@ -689,7 +689,15 @@ class Watchdog(threading.Thread):
         os._exit(HANG_EXIT_CODE)
 
     def _wait_for_dumps(self) -> None:
-        self._wait_for([f"{self.prefix}/dumped/{r}" for r in range(self.world_size)], DUMP_WAIT_S)
+        self._wait_for([self._dumped_key(r) for r in range(self.world_size)], DUMP_WAIT_S)
+
+    def _dumped_key(self, rank: int) -> str:
+        """The key by which `rank` says it dumped its stacks for the hang flag acted on (by the flag's count):
+        those of an earlier report that did not end the job (MED, a rank kept the others waiting) must not
+        count for a later abort, or rank 0 ends before the others saw it, and a rank busy outside any
+        collective, its store gone with rank 0, is left running."""
+        count = str(self._hangs) if self.rank == 0 else self._flag_seen.partition(":")[0]
+        return f"{self.prefix}/dumped/{count}/{rank}"
 
     def _wait_for(self, keys: list[str], wait_s: float) -> None:
         deadline = _monotonic() + wait_s

@@ -354,15 +354,46 @@ def test_a_hangs_abort_ends_rank_0_first_and_the_others_once_it_said_so(tmp_path
     monkeypatch.setattr(watchdog, "dump_stacks", lambda run_dir, rank: None)
     store = DictStore()
     others = Watchdog(StepRecorder(), store, 1, 2, tmp_path, lambda: 5.0, "abort", lambda f: None)
+    rank_0 = Watchdog(StepRecorder(), store, 0, 2, tmp_path, lambda: 5.0, "abort", lambda f: None)
+    rank_0._raise_flag(True)
+    assert others._hang_flag() is True
     waiting = threading.Thread(target=others._on_hang, args=(True,))
     waiting.start()
     time.sleep(0.3)
-    assert ended == [] and store.keys["pytscope/dumped/1"] == "1"  # dumped, then waiting for rank 0
-    rank_0 = Watchdog(StepRecorder(), store, 0, 2, tmp_path, lambda: 5.0, "abort", lambda f: None)
+    assert ended == [] and store.keys["pytscope/dumped/1/1"] == "1"  # dumped, then waiting for rank 0
     rank_0._on_hang(True)
     said = time.monotonic()
     waiting.join(5.0)
     assert [code for code, _ in ended] == [86, 86] and ended[1][1] >= said - 0.01
+
+
+def test_stacks_dumped_for_a_report_that_did_not_end_the_job_do_not_count_for_a_later_abort(
+    tmp_path, monkeypatch
+):
+    # A MED report (rank 1 kept the others waiting, working between steps: stacks dumped, the job goes on),
+    # then, 4 timeouts later, the abort. Rank 0 took the first report's dumps for this one's and ended at
+    # once; rank 1, busy in a callback, its store gone with rank 0, never saw the abort and ran on.
+    ended: list = []
+    monkeypatch.setattr(watchdog.os, "_exit", ended.append)
+    monkeypatch.setattr(watchdog, "dump_stacks", lambda run_dir, rank: None)
+    store = DictStore()
+    rank_0, rank_1 = (
+        Watchdog(StepRecorder(), store, rank, 2, tmp_path, lambda: 5.0, "abort", lambda f: None)
+        for rank in (0, 1)
+    )
+    rank_0._raise_flag(False)  # the MED report: every rank dumps its stacks, nobody ends
+    assert rank_1._hang_flag() is False
+    rank_1._on_hang(False)
+    rank_0._on_hang(False)
+    rank_0._raise_flag(True)  # the abort
+    aborting = threading.Thread(target=rank_0._on_hang, args=(True,))
+    aborting.start()
+    time.sleep(0.3)
+    assert ended == [] and aborting.is_alive()  # waiting for rank 1's stacks of this hang
+    assert rank_1._hang_flag() is True
+    rank_1._on_hang(True)
+    aborting.join(5.0)
+    assert ended == [watchdog.HANG_EXIT_CODE, watchdog.HANG_EXIT_CODE]
 
 
 def test_ranks_all_waiting_but_in_different_collectives_name_the_one_the_others_went_past():
