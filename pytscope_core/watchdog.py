@@ -155,7 +155,7 @@ def classify_hang(
             "inside join(), out of batches, for"
             if joined
             else "in backward for"
-            if "all-reduce" in allreduce
+            if allreduce == GRADIENT_ALLREDUCE  # (not a loop's collective, a metric's all-reduce among them)
             else "in"
         )
         detail = (
@@ -401,6 +401,7 @@ def _on_hosts(ranks: list[int], place: Placement) -> str:
 
 
 GATHER = "pytscope's gather of step records (between steps)"
+GRADIENT_ALLREDUCE = "the gradient all-reduce"
 LOOP_WAIT = (
     "a collective the training loop calls (a barrier, a metric's all-reduce, the framework's broadcast)"
 )
@@ -417,7 +418,7 @@ def _waited_in(beats: dict[int, dict[str, Any]], waiting: list[int]) -> str:
         return "the FSDP all-gather or reduce-scatter of gradient sync"
     if phases == {"gather"}:
         return GATHER
-    return "the gradient all-reduce"
+    return GRADIENT_ALLREDUCE
 
 
 def _ordinal(n: int) -> str:

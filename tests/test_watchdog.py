@@ -172,6 +172,12 @@ def test_a_hang_says_which_collective_the_waiting_ranks_are_in():
     # Waiting in pytscope's own gather between steps (the peer hung after its backward): not "in backward".
     f = classify_hang({0: _beat("gather"), 1: _beat("optimizer")}, 2, 10.0)
     assert f is not None and "gather of step records" in f.title and "backward" not in f.detail
+    # Waiting in one the loop calls (Lightning's broadcast at the top of a batch): not "in backward" either,
+    # though its list of such collectives names a metric's all-reduce.
+    f = classify_hang({0: _beat(watchdog.LOOP_COLLECTIVE), 1: _beat("forward")}, 2, 10.0)
+    assert f is not None and f.detail.startswith(
+        f"At step 3, rank 0 has been waiting in {watchdog.LOOP_WAIT}"
+    )
 
 
 def _watch(tmp_path, monkeypatch, rec, peer, timeout_s, warmup_timeout_s=None) -> tuple[list, Watchdog]:
