@@ -138,9 +138,13 @@ def classify_hang(
             if joined
             else [r for r in waiting if beats[r]["phase"] != JOINED]
         )
-        step = max(_label(beats[r]) for r in at or waiting)
+        at_step = max(_label(beats[r]) for r in at or waiting)  # (where a rank between steps may be)
+        # Joined: the step of the ranks still training, which wait in nothing.
+        step = at_step if joined else max(_waits_in(beats[r]) for r in at)
         waited = min(idle[r] for r in waiting)
-        if allreduce == LOOP_WAIT and all(_working(beats.get(r), step, timeout_s, waited) for r in missing):
+        if allreduce == LOOP_WAIT and all(
+            _working(beats.get(r), at_step, timeout_s, waited) for r in missing
+        ):
             return _kept_waiting(beats, waiting, missing, step, timeout_s, idle, place)
         which = (
             allreduce
@@ -166,7 +170,7 @@ def classify_hang(
         ranks = missing
     elif waiting and len({(beats[r]["phase"], int(beats[r]["syncs"])) for r in waiting}) > 1:
         ranks = _in_another_collective(beats, waiting)
-        step = min(_label(beats[r]) for r in ranks or waiting)
+        step = min(_waits_in(beats[r]) for r in ranks or waiting)
         title = (
             f"rank{'s' if len(ranks) > 1 else ''} {format_ranks(ranks)}{_on_hosts(ranks, place)} "
             f"wait{'' if len(ranks) > 1 else 's'} in a collective the others are not in"
@@ -188,7 +192,7 @@ def classify_hang(
         title, ranks, step = (
             f"all ranks stuck inside {allreduce}",
             [],
-            max(_label(b) for b in beats.values()),
+            max(_waits_in(b) for b in beats.values()),
         )
     elif len({(_label(b), b["phase"]) for b in beats.values()}) == 1 and len(beats) == world_size:
         return _no_progress(beats, world_size, timeout_s, idle)  # one place: slow work, or an unseen wait
@@ -448,6 +452,15 @@ def _label(beat: dict[str, Any]) -> int:
     return int(beat["step"]) + int(beat.get("origin", 1))
 
 
+def _waits_in(beat: dict[str, Any]) -> int:
+    """The step a rank waiting in a collective waits in, as its records number steps: its own, or, where its
+    optimizer has stepped (a collective the loop calls after `optimizer.step()`; Lightning's broadcast at the
+    top of the next batch, which comes before the fetch that ends the step), the next one. A hang writes such
+    a step as done: named by it, every rank's records reaching it would read as a run gone on past the hang
+    (`rules._gone_past`), a hang that ended the job as a stall."""
+    return _label(beat) + int(bool(beat.get("stepped", False)))
+
+
 def dump_stacks(path: Path, rank: int) -> Path:
     """Every thread's Python stack, readable, into `path/stacks/rank{rank}.txt`."""
     out = path / "stacks" / f"rank{rank}.txt"
@@ -621,6 +634,9 @@ class Watchdog(threading.Thread):
         self._local_beat = {
             "step": rec.steps_done,  # closed steps: a rank after its optimizer step is still in that step
             "origin": rec.step_origin,
+            # A hang writes the open step as done once its optimizer stepped (not an open iteration, none
+            # watched): what this rank waits in then is the next step's (`_waits_in`).
+            "stepped": not rec.iteration_steps and rec.completed[0] > rec.steps_done,
             "phase": phase,
             "idle_s": round(now - self._progress_t, 3),
             "syncs": rec.grad_syncs,

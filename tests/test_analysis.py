@@ -912,6 +912,39 @@ def test_hang_reports_are_reemitted():
     )
 
 
+def test_a_hang_whose_abort_ended_every_rank_at_its_step_did_not_go_on():
+    # Lightning: rank 1 stuck after step 79's optimizer step (in on_train_batch_end), rank 0 in the broadcast
+    # at the top of the next batch, which comes before the fetch that ends step 79. The abort had every rank
+    # write its rows, step 79 among them (its optimizer had stepped): the records reach the report's step,
+    # as a run that went on past it would. Reported as step 79 (a run recorded so), it was still the hang.
+    report = {
+        "code": "DIST.HANG",
+        "severity": "HIGH",
+        "title": "rank 1 never reached a collective the training loop calls",
+        "detail": "rank 1 in `after the optimizer step` for 24 s",
+        "recommendation": "see stacks",
+        "ranks": [1],
+        "steps": [79],
+        "segment": 0,
+    }
+    aborted = RunContext(world_size=2, hang_reports=(report,), rank_notes=((0, "hang"), (1, "hang")))
+    (hang,) = [f for f in diagnose(make_run(79, 2), aborted) if f.code == "DIST.HANG"]
+    assert hang.severity == Severity.HIGH and "went on" not in hang.detail, hang.detail
+    # Named by the step after the wait (as the watchdog names it now): the same, by the records alone.
+    after = {**report, "steps": [80]}
+    for ctx in (
+        dataclasses.replace(aborted, hang_reports=(after,)),
+        RunContext(world_size=2, hang_reports=(after,)),
+    ):
+        (hang,) = [f for f in diagnose(make_run(79, 2), ctx) if f.code == "DIST.HANG"]
+        assert hang.severity == Severity.HIGH and "went on" not in hang.detail, hang.detail
+    # A hang reported earlier in that launch, that every rank went on past before the abort, was a stall.
+    cleared = {**report, "steps": [40]}
+    ctx = dataclasses.replace(aborted, hang_reports=(cleared,))
+    (stall,) = [f for f in diagnose(make_run(79, 2), ctx) if f.code == "DIST.HANG"]
+    assert stall.severity == Severity.MED and "The run went on" in stall.detail
+
+
 def test_a_hang_every_rank_went_on_past_is_the_stall_it_was():
     # on_hang="report": rank 1 held up 12 s at step 40, the watchdog said rank 0 waited at step 41's
     # all-reduce for a rank that never came, then every rank went on. One finding, TIMING.STALL (MED), that

@@ -341,6 +341,30 @@ def test_blocked_rank_is_reported_as_hang_and_both_processes_exit(tmp_path: Path
     assert {r["rank"]: r["reason"] for r in summary["run"]["rank_ends"]} == {0: "hang", 1: "hang"}
 
 
+def test_a_rank_blocked_after_its_optimizer_step_is_a_hang_the_run_did_not_go_on_past(tmp_path: Path) -> None:
+    # Rank 1 blocks in on_train_batch_end after step 29's optimizer step; rank 0 waits in the broadcast at the
+    # top of the next batch, which comes before the fetch that ends its step 29. Each rank writes step 29 at
+    # the abort: the hang is step 30's, which neither reached, so the report keeps it a hang. Rank 1 exits too,
+    # after the MED report before the abort (a rank left running holds the pipes: the run would time out).
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(JOB), "--run-dir", str(run_dir), "--devices", "2", "--strategy", "ddp",
+         "--steps", "100", "--interval", "20", "--block-after-at", "30", "--hang-timeout", "3"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode != 0 and "kept the others waiting" in proc.stdout, proc.stderr[-3000:]
+    summary = _summary(run_dir)
+    hangs = {f["severity"]: f for f in summary["findings"] if f["code"] == "DIST.HANG"}
+    assert sorted(hangs) == ["HIGH", "MED"], hangs  # kept waiting (MED), then the hang after 4 timeouts
+    for hang in hangs.values():
+        assert hang["ranks"] == [1] and hang["steps"] == [30] and "went on" not in hang["detail"], hang
+    assert hangs["HIGH"]["detail"].startswith("At step 30, rank 0 has been waiting in a collective the")
+    arrays = load_run(run_dir).arrays
+    assert [int(arrays.steps[np.isfinite(arrays.wall_ms[:, i])].max()) for i in range(2)] == [29, 29]
+    assert {r["rank"]: r["reason"] for r in summary["run"]["rank_ends"]} == {0: "hang", 1: "hang"}
+
+
 def test_an_exception_in_fit_ends_the_scope_and_nothing_kills_the_process_later(tmp_path: Path) -> None:
     # A notebook kernel or sweep driver that catches the exception must live on: no watchdog left behind.
     run_dir = tmp_path / "run"

@@ -256,6 +256,33 @@ def test_a_rank_after_its_optimizer_step_is_named_at_the_step_it_just_took(tmp_p
     assert "is at step 1 in `after the optimizer step`" in finding.detail
 
 
+def test_a_wait_after_the_optimizer_step_is_named_by_the_next_step(tmp_path, monkeypatch):
+    # Lightning (steps from 0): rank 0 took step 79's optimizer step and waits in the broadcast at the top of
+    # the next batch, which comes before the fetch that ends step 79; rank 1 is stuck after its own step 79
+    # (a callback's on_train_batch_end). A hang writes step 79 as done on both ranks: named step 79, the
+    # records would read as a run that went on past it. It is step 80, which neither rank reached.
+    rec = StepRecorder(step_origin=0)
+    rec.restore({"step": 79})
+    rec.loop_top(Mark.DATA_BEGIN)
+    rec.mark(Mark.BACKWARD_END)
+    rec.optimizer_stepped()
+    rec.mark(Mark.LOOP_COMM_BEGIN)
+    stuck = {"step": 79, "origin": 0, "stepped": True, "phase": "after the optimizer step", "syncs": 80}
+    reported, dog = _watch(tmp_path, monkeypatch, rec, {**stuck, "idle_s": 100.0}, 0.05)
+    (finding,) = _first_report(reported, dog)
+    assert finding.severity.name == "HIGH" and finding.ranks == (1,) and finding.steps == (80,), finding
+    assert finding.detail.startswith(f"At step 80, rank 0 has been waiting in {watchdog.LOOP_WAIT}"), finding
+    assert "is at step 79 in `after the optimizer step`" in finding.detail
+    # Before 4 timeouts, rank 1 may be working between steps (MED): the same step, and it is still MED.
+    waiting = {**stuck, "phase": watchdog.LOOP_COLLECTIVE, "idle_s": 400.0}
+    f = classify_hang({0: {**stuck, "idle_s": 400.0}, 1: waiting}, 2, 300.0)
+    assert f is not None and f.severity.name == "MED" and f.steps == (80,), f
+    # A wait inside the step, before its optimizer step (a metric's all-reduce in training_step), is in it.
+    inside = {**stuck, "stepped": False, "phase": "forward", "idle_s": 400.0}
+    f = classify_hang({0: inside, 1: {**waiting, "stepped": False}}, 2, 300.0)
+    assert f is not None and f.severity.name == "HIGH" and f.steps == (79,), f
+
+
 def test_a_pause_is_never_a_hang_when_every_rank_is_in_it_and_outlasts_four_timeouts_otherwise():
     # A long validation (Lightning pauses it) or a checkpoint in `scope.paused()` on every rank: not training.
     assert classify_hang({0: _beat("paused"), 1: _beat("paused")}, 2, 6.0) is None

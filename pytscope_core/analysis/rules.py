@@ -586,9 +586,15 @@ def _hang_reports(a: RunAnalysis) -> list[Finding]:
 def _gone_past(a: RunAnalysis, f: Finding, segment: object = None) -> bool:
     """Whether every rank completed the step a hang report's waiting ranks were in: the run went on, in the
     launch the report came from (`segment`, where known): a resume that replayed that step after the hang
-    ended its launch (on_hang="abort", the launcher's restart) went on past a hang, not a stall."""
+    ended its launch (on_hang="abort", the launcher's restart) went on past a hang, not a stall. A rank whose
+    records end with those it wrote itself at a hang (nothing after them: the hang's abort ended it) did not
+    get past its last step: that step is in its records once its optimizer stepped, and the hang may have
+    come after (a run recorded before the watchdog named such a wait by the next step: `watchdog._waits_in`)."""
     step = f.steps[0] if f.steps else None
-    ended = [e.last_step for e in a.rank_ends if e.last_step is not None]
+    hung = {rank for rank, why in a.ctx.rank_notes if why == "hang"}
+    ended = [
+        e.last_step - 1 if e.rank in hung else e.last_step for e in a.rank_ends if e.last_step is not None
+    ]
     launch_went_on = (
         not isinstance(segment, int)
         or step is None

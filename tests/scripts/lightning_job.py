@@ -84,8 +84,11 @@ class Job(pl.LightningModule):
         super().configure_gradient_clipping(optimizer, *args, **kwargs)
 
     def on_train_batch_end(self, *args: Any) -> None:
-        if self.args.late_spin_ms and self.global_rank == self.trainer.world_size - 1:
+        last_rank = self.global_rank == self.trainer.world_size - 1
+        if self.args.late_spin_ms and last_rank:
             spin(self.args.late_spin_ms)  # after the gradient all-reduce: the others wait at the next batch
+        if self.args.block_after_at and last_rank and self.global_step == self.args.block_after_at:
+            spin(3600e3)  # after the optimizer step: the others wait in the broadcast at the next batch's top
 
     def _manual_step(self, loss: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         # Two optimizers, each with a forward and backward of its own over the batch, as a GAN's generator
@@ -216,6 +219,9 @@ def main() -> None:
         "--same-data", action="store_true", help="no DistributedSampler: every rank the same batches"
     )
     p.add_argument("--block-at", type=int, default=0, help="the last rank blocks forever at this step")
+    p.add_argument(
+        "--block-after-at", type=int, default=0, help="the last rank blocks forever once global_step is this"
+    )
     p.add_argument("--hang-timeout", type=float, default=None)
     p.add_argument("--accumulate", type=int, default=1)
     p.add_argument("--comm-hook", choices=["fp16"], default=None)
