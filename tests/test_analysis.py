@@ -13,7 +13,7 @@ from rich.console import Console
 from runfactory import phases_of
 
 from pytscope_core.analysis import analyze, diagnose, run_rules
-from pytscope_core.analysis.convergence import find_spikes, loss_trend, plateau_start, rise_start
+from pytscope_core.analysis.convergence import Convergence, find_spikes, loss_trend, plateau_start, rise_start
 from pytscope_core.arrays import RunArrays
 from pytscope_core.context import CountsCheck, ReplicaCheck, RunContext, Segment
 from pytscope_core.findings import Severity
@@ -592,14 +592,57 @@ def test_infinite_loss_is_nonfinite_and_breaks_nothing():
 
 
 def test_nan_after_dense_logging_is_nonfinite_but_sparse_logging_is_not():
+    # Recorded before a logged NaN became +inf (and before optimizer steps were recorded: NaN).
     dense = np.linspace(3, 1, 200)
     dense[150:] = np.nan
-    c = analyze(make_run(200, 2, loss=dense), RunContext(world_size=2)).convergence
+    old = dataclasses.replace(make_run(200, 2, loss=dense), optimizer_steps=np.full((200, 2), np.nan))
+    c = analyze(old, RunContext(world_size=2)).convergence
     assert c.nonfinite_step == 151
     assert c.trend.trend == "non-finite"  # never finite again: not "improving" for what fell before it
     sparse = np.full(200, np.nan)
     sparse[::10] = np.linspace(3, 1, 20)
     assert analyze(make_run(200, 2, loss=sparse), RunContext(world_size=2)).convergence.nonfinite_step is None
+
+
+def _stopped_logging(per_rank: bool, **counts: np.ndarray) -> Convergence:
+    """The convergence of a 2-rank run whose loss was logged on steps 1-150 only (NaN from step 151)."""
+    loss = np.linspace(3, 1, 200)
+    loss[150:] = np.nan
+    arrays = make_run(200, 2, loss=np.stack([loss, loss * 1.01], axis=1) if per_rank else loss)
+    return analyze(dataclasses.replace(arrays, **counts), RunContext(world_size=2)).convergence
+
+
+@pytest.mark.parametrize("per_rank", [False, True])
+def test_a_loop_that_stops_logging_its_loss_and_trains_on_has_no_nonfinite_loss(per_rank):
+    # NaN in the records is a loss not logged: the loop stopped calling scope.log at step 151 and every step
+    # after it ran its backward and its optimizer step. It read "non-finite at step 151 and never recovered".
+    c = _stopped_logging(per_rank)
+    assert c.nonfinite_step is None and c.nonfinite_tail is None and c.trend.trend == "improving"
+    # No optimizer watched (none recorded, 0): the backwards alone say it trained on.
+    c = _stopped_logging(per_rank, optimizer_steps=np.zeros((200, 2)))
+    assert c.nonfinite_step is None and c.trend.trend == "improving"
+    # One rank stops logging, the other logs on: still a loss not logged.
+    loss = np.linspace(3, 1, 200)
+    ranks = np.stack([loss, loss * 1.01], axis=1)
+    ranks[150:, 1] = np.nan
+    c = analyze(make_run(200, 2, loss=ranks), RunContext(world_size=2)).convergence
+    assert c.nonfinite_step is None and c.trend.trend == "improving"
+
+
+@pytest.mark.parametrize("per_rank", [False, True])
+def test_a_loss_that_stops_with_the_training_for_good_is_a_nonfinite_loss(per_rank):
+    # A NaN guard that skips the rest of each step: a Lightning training_step returning None logs no loss and
+    # runs no backward (its optimizer still steps); a guard's `continue` before the backward, none of either.
+    no_backward = np.ones((200, 2))
+    no_backward[150:] = 0.0
+    c = _stopped_logging(per_rank, micro_batches=no_backward)
+    assert c.nonfinite_step == 151 and c.trend.trend == "non-finite"
+    assert c.nonfinite_tail is not None and not c.nonfinite_tail.stepped
+    c = _stopped_logging(per_rank, micro_batches=no_backward, optimizer_steps=no_backward)
+    assert c.nonfinite_step == 151 and c.trend.trend == "non-finite"
+    # It trained again later (a backward and an optimizer step at step 190): not a loss that stopped training.
+    no_backward[189] = 1.0
+    assert _stopped_logging(per_rank, micro_batches=no_backward).nonfinite_step is None
 
 
 def test_a_loss_that_stays_non_finite_on_one_rank_is_non_finite_not_improving():
@@ -642,9 +685,11 @@ def test_a_loss_that_stays_non_finite_on_one_rank_is_non_finite_not_improving():
     (found,) = [f for f in run_rules(a) if f.code == "CONVERGENCE.NONFINITE"]
     assert found.title == "The loss became non-finite at step 40, for good from step 120"
 
-    # Recorded before a logged NaN became +inf: rank 1 logged every step, then NaN to the end.
+    # Recorded before a logged NaN became +inf (no optimizer steps recorded): rank 1 logged every step, then
+    # NaN to the end.
     loss[39:, 1] = np.nan
-    c = analyze(make_run(150, 2, loss=loss), RunContext(world_size=2)).convergence
+    old = dataclasses.replace(make_run(150, 2, loss=loss), optimizer_steps=np.full((150, 2), np.nan))
+    c = analyze(old, RunContext(world_size=2)).convergence
     assert c.trend.trend == "non-finite" and c.nonfinite_step == 40 and c.nonfinite_tail.ranks == (1,)
 
 

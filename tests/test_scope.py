@@ -748,6 +748,29 @@ def test_a_non_finite_loss_is_said_live_at_once_and_keeps_its_step_after_the_win
     assert said[0]["step"] == 20 and said[0]["finding"]["steps"] == [15]
 
 
+@pytest.mark.parametrize("logged", [10, 150])
+def test_a_loop_that_stops_logging_its_loss_has_no_nonfinite_loss_live_or_at_the_end(tmp_path, logged):
+    # The loss is logged on the first `logged` steps only; every step trains (a backward, an optimizer step).
+    # The records hold NaN for a loss not logged: it read "non-finite at step 11 and never recovered", HIGH.
+    scope, model, opt = watched_linear(tmp_path, interval=10)
+    for step in range(1, 161):
+        loss = model(torch.randn(4, 8)).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if step <= logged:
+            scope.log(loss=loss)
+    live = scope.session.live
+    live.diagnose(scope.step_label())
+    assert "CONVERGENCE.NONFINITE" not in {f.code for f in live.findings}
+    scope.finish()
+    run = load_run(tmp_path)
+    assert np.isnan(run.arrays.loss[logged:]).all() and (run.arrays.micro_batches == 1).all()
+    summary = summarize(run.arrays, run.context)
+    assert "CONVERGENCE.NONFINITE" not in {f.code for f in summary.findings}
+    assert summary.convergence.nonfinite_step is None and summary.convergence.trend.trend != "non-finite"
+
+
 def test_a_batch_fed_to_two_watched_models_counts_its_samples_once(tmp_path):
     torch.manual_seed(0)
     loader = DataLoader(TensorDataset(torch.randn(160, 8), torch.randn(160, 1)), batch_size=16)

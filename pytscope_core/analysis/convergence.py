@@ -5,10 +5,13 @@ noise; the noise of the block means is estimated from their successive differenc
 not inflate it, leaving out the one or two that are far larger than the rest (a steep first block, a spike);
 the test is one-sided and strict and must also clear a relative-change floor, because a significance test
 alone calls any long run "changing". The records hold a logged NaN or Inf loss as +inf and
-"not logged" as NaN; in runs recorded before that distinction, a NaN is only called non-finite when a rank
-that logged every step stops with NaN and never logs again. A step is non-finite when any rank's loss is (its
-NaN gradients reach every rank through the all-reduce): a rank whose loss stays NaN makes the run's loss
-non-finite to the end, whatever the mean of the other ranks' finite losses does.
+"not logged" as NaN. A rank that logged every step and then never logs again (NaN to the end) reads as
+non-finite from there only where its training stopped with its loss: a NaN guard that skips the step (a
+Lightning training_step that returns None) stops both, where a loop that merely stops logging keeps training;
+in runs recorded before the distinction (and before optimizer steps were recorded), such a stop alone reads
+so. A step is non-finite when any rank's loss is (its NaN gradients reach every rank through the all-reduce):
+a rank whose loss stays NaN makes the run's loss non-finite to the end, whatever the mean of the other ranks'
+finite losses does.
 """
 
 from __future__ import annotations
@@ -328,21 +331,30 @@ def find_spikes(loss: np.ndarray, steps: np.ndarray) -> tuple[Spike, ...]:
 
 def nonfinite_losses(arrays: RunArrays) -> np.ndarray:
     """(S, R) bool: where a rank's loss was non-finite: an infinite loss (a logged NaN or Inf), or each NaN
-    after a rank's unbroken run of logged losses where it never logs a finite one again (`nonfinite_cells`).
-    A loss broadcast to every rank is judged once, and blames every rank (a read-only view)."""
+    after a rank's unbroken run of logged losses where it never logs a finite one again and its training
+    stopped with it (`nonfinite_cells`). A loss broadcast to every rank is judged once, and blames every rank
+    (a read-only view)."""
     loss = np.asarray(arrays.loss)
     s, r = loss.shape
     if s == 0 or r == 0:
         return np.zeros((s, r), dtype=bool)
     # A NaN where a rank has no record at all (never gathered: a hang, a kill) is missing, not a bad loss.
     present = np.isfinite(arrays.wall_ms)
+    counts = np.asarray(arrays.optimizer_steps), np.asarray(arrays.micro_batches)
     if loss.strides[1] == 0:  # the same loss on every rank: judge one column, blame every rank
-        return np.broadcast_to(nonfinite_cells(loss[:, :1], present.all(axis=1)[:, None]), (s, r))
-    return nonfinite_cells(loss, present)
+        return np.broadcast_to(nonfinite_cells(loss[:, :1], present.all(axis=1)[:, None], *counts), (s, r))
+    return nonfinite_cells(loss, present, *counts)
 
 
-def nonfinite_cells(loss: np.ndarray, present: np.ndarray | None = None) -> np.ndarray:
-    """`nonfinite_losses` of a (S, C) loss array; `present`: where a rank has a record at all."""
+def nonfinite_cells(
+    loss: np.ndarray,
+    present: np.ndarray | None = None,
+    optimizer_steps: np.ndarray | None = None,
+    micro_batches: np.ndarray | None = None,
+) -> np.ndarray:
+    """`nonfinite_losses` of a (S, C) loss array; `present`: where a rank has a record at all;
+    `optimizer_steps`, `micro_batches`: the counts of the same cells (every rank's, when one loss column stands
+    for all of them), for `stopped_training`; without them a rank's stop alone decides."""
     s = loss.shape[0]
     bad = np.isinf(loss)
     finite = np.isfinite(loss)
@@ -353,14 +365,39 @@ def nonfinite_cells(loss: np.ndarray, present: np.ndarray | None = None) -> np.n
     nan_end = has_finite & dense & (last_fin - first_fin >= 2) & (last_fin < s - 1)
     cols = np.flatnonzero(nan_end)
     if cols.size:
-        # (Runs recorded before a logged NaN became +inf: a rank that logged every step and then NaN, never
-        # logging a finite loss again, logged NaN from there on.)
+        # A rank that logged every step, then NaN to the end: what a NaN guard that skips the rest of each
+        # step leaves (a Lightning training_step that returns None logs nothing), where training stopped too.
         after = np.isnan(loss[:, cols]) & (np.arange(s)[:, None] > last_fin[cols])
         if present is not None:
             after &= present[:, cols]
         stops = after[last_fin[cols] + 1, np.arange(cols.size)]  # (with a NaN, not with no record at all)
+        if optimizer_steps is not None and micro_batches is not None:
+            pick = cols if optimizer_steps.shape[1] == loss.shape[1] else slice(None)
+            stops &= stopped_training(optimizer_steps[:, pick], micro_batches[:, pick], after)
         bad[:, cols[stops]] |= after[:, stops]
     return bad
+
+
+def stopped_training(optimizer_steps: np.ndarray, micro_batches: np.ndarray, after: np.ndarray) -> np.ndarray:
+    """(C,) bool: whether each column of `after` ((S, C) bool: where a rank's loss stopped being logged for
+    good) is a rank whose training stopped with its loss: it trained before (a backward, where its backwards
+    are seen, and an optimizer step, where its optimizer steps are) and not once from there on. A loop that
+    stops calling `scope.log` and trains on has a loss not logged, not a NaN. The counts are (S, C), or
+    (S, ranks) for one column that stands for every rank (one loss for all: some rank's counts). Where no
+    optimizer step was ever recorded (runs from before the column, which also wrote a logged NaN as NaN),
+    the stop alone decides: True."""
+    opt = np.asarray(optimizer_steps, dtype=np.float64)
+    if not np.isfinite(opt).any():
+        return np.ones(after.shape[1], dtype=bool)
+    stepped = np.asarray(np.nan_to_num(opt) > 0)
+    backward = np.asarray(np.nan_to_num(np.asarray(micro_batches, dtype=np.float64)) > 0)
+    if stepped.shape[1] != after.shape[1]:
+        stepped = np.asarray(stepped.any(axis=1, keepdims=True))
+        backward = np.asarray(backward.any(axis=1, keepdims=True))
+    seen_steps, seen_backwards = stepped.any(axis=0), backward.any(axis=0)
+    # (Neither seen in a column: no training to have stopped.)
+    trained = (stepped | ~seen_steps) & (backward | ~seen_backwards) & (seen_steps | seen_backwards)
+    return np.asarray((trained & ~after).any(axis=0) & ~(trained & after).any(axis=0))
 
 
 def first_nonfinite(arrays: RunArrays, bad: np.ndarray | None = None) -> tuple[int | None, tuple[int, ...]]:
