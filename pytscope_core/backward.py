@@ -50,7 +50,10 @@ def first_grad_tensor(output: Any) -> Any:
 
 
 def _receives_grad(t: Any) -> bool:
-    return bool(t.requires_grad) and t.grad_fn is not None
+    try:
+        return bool(t.requires_grad) and t.grad_fn is not None
+    except Exception:  # an array without them (numpy's), or a `__getattr__` that raises: receives none
+        return False
 
 
 class BackwardTimer:

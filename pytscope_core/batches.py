@@ -4,6 +4,8 @@ A fingerprint is the first tensor's shape and a few values sampled at fixed, spr
 path it is only a small copy (a numpy fancy index on CPU, one small device tensor elsewhere: no device
 sync); `resolve_fingerprints` hashes a window of them at the gather, with at most one device-to-host copy.
 Ranks of a data-parallel job whose fingerprints are equal saw the same data (`DATA.DUPLICATE_SHARDS`).
+Batches and model outputs are the user's objects: an attribute read that raises anything (a dict-like
+output whose `__getattr__` raises KeyError for a missing key) means the attribute is not there.
 """
 
 from __future__ import annotations
@@ -31,8 +33,11 @@ def first_tensor(obj: Any, accept: Callable[[Any], bool] | None = None) -> Any:
 def tensors(obj: Any, limit: int, accept: Callable[[Any], bool] | None = None, _depth: int = 0) -> list[Any]:
     """Up to `limit` tensors (that `accept`, when given) in a tensor, sequence or mapping (a dict, or one
     like transformers' `BatchEncoding`), in order, searched three levels deep and four items wide."""
-    if getattr(obj, "shape", None) is not None and hasattr(obj, "dtype"):
-        return [obj] if accept is None or accept(obj) else []
+    try:
+        if getattr(obj, "shape", None) is not None and hasattr(obj, "dtype"):  # a tensor, an array
+            return [obj] if accept is None or accept(obj) else []
+    except Exception:  # a `__getattr__` that raises (a dict-like's KeyError): no such attribute, searched on
+        pass
     found: list[Any] = []
     if _depth < 3:
         values = (
@@ -60,6 +65,16 @@ def batch_tensor(batch: Any) -> Any:
     return found[leads.index(max(leads, key=leads.count))]  # (max: the first of the most common)
 
 
+def batch_fingerprint(t: Any, batch: Any) -> Any:
+    """The `fingerprint` of `t`, what the batch's size was read from, where it is a tensor or an array (not,
+    say, a data frame's rows), else of the batch's tensor (`batch_tensor`)."""
+    try:
+        array = hasattr(t, "dtype")
+    except Exception:  # a `__getattr__` that raises: not an array
+        array = False
+    return fingerprint(t if array else batch_tensor(batch))
+
+
 def fingerprint(tensor: Any) -> Any:
     """A few values of `tensor` at fixed spread positions, with its shape; None when there is no tensor.
 
@@ -70,7 +85,11 @@ def fingerprint(tensor: Any) -> Any:
         if tensor.size == 0 or tensor.dtype.hasobject:
             return None
         return tensor.shape, tensor.reshape(-1)[_positions(tensor.size)]
-    if not hasattr(tensor, "numel"):  # another array type: no fingerprint
+    try:
+        countable = hasattr(tensor, "numel")
+    except Exception:  # (a `__getattr__` that raises: not a tensor)
+        countable = False
+    if not countable:  # another array type: no fingerprint
         return None
     n = int(tensor.numel())
     if n == 0:

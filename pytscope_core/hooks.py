@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from .backward import BackwardTimer
-from .batches import batch_tensor, fingerprint
+from .batches import batch_fingerprint, batch_tensor
 from .collectives import restore_method, time_buffer_sync
 from .compiled import CallWrappers, compiled_in_place, is_compiling_function, outside_compiled, uncompiled
 from .flops import FlopEstimate
@@ -373,7 +373,10 @@ class TorchHooks:
         try:
             batch = next(it)
         except StopIteration:
-            self._guard(self.epoch_end)
+            try:
+                self.epoch_end()
+            except Exception as exc:
+                self._on_error(exc)
             raise
         try:
             self.recorder.mark(_DATA_END)
@@ -381,12 +384,6 @@ class TorchHooks:
         except Exception as exc:
             self._on_error(exc)
         return batch
-
-    def _guard(self, hook: Callable[..., None], *args: Any) -> None:
-        try:
-            hook(*args)
-        except Exception as exc:
-            self._on_error(exc)
 
     def data_begin(self) -> None:
         """Loop top: the wait for the next batch starts (a step that a forward before the loop opened restarts)."""
@@ -408,13 +405,16 @@ class TorchHooks:
     def note_batch(self, batch: Any) -> None:
         """The batch's size (samples per step) and, on the steps that take one, its fingerprint."""
         t = batch[0] if type(batch) in (tuple, list) and batch else batch  # (inputs, targets): the inputs
-        shape = getattr(t, "shape", None)
+        try:
+            shape = getattr(t, "shape", None)
+        except Exception:  # a user's `__getattr__` that raises (a dict-like's KeyError): no shape there
+            shape = None
         if not isinstance(shape, tuple):  # not a tensor or an array there: search the batch
             t = batch_tensor(batch)
             shape = getattr(t, "shape", None)
         self._batch_samples = shape[0] if shape else math.nan  # (a 0-d tensor's shape is empty)
-        if self.recorder.wants_fingerprint:  # of a tensor or an array (not, say, a data frame's rows)
-            self.recorder.set_fingerprint(fingerprint(t if hasattr(t, "dtype") else batch_tensor(batch)))
+        if self.recorder.wants_fingerprint:
+            self.recorder.set_fingerprint(batch_fingerprint(t, batch))
 
     def pause(self) -> None:
         self._paused = True

@@ -201,8 +201,8 @@ class Scope:
         if not self.enabled:
             return
         if loss is not None:
-            detach = getattr(loss, "detach", None)  # a tensor: its graph must not be kept until the gather
-            self.recorder.set_loss(loss if detach is None else detach())
+            detach = getattr(type(loss), "detach", None)  # (the type's: a user's __getattr__ may raise)
+            self.recorder.set_loss(loss if detach is None else detach(loss))  # a tensor's graph is not kept
         if scalars and self.rank == 0:
             self.scalars.add(self.step_label(open_step=True), scalars)
 

@@ -61,7 +61,8 @@ class ScalarLog:
 
     def add(self, step: int, scalars: dict[str, Any]) -> None:
         # A copy of a tensor: one the user updates in place (a step counter) is read at the gather as logged.
-        values = {k: v.detach().clone() if hasattr(v, "detach") else v for k, v in scalars.items()}
+        # (`detach` read from the type, as `Scope.log` reads it: a user's __getattr__ may raise anything.)
+        values = {k: v.detach().clone() if hasattr(type(v), "detach") else v for k, v in scalars.items()}
         if self._lines and self._lines[-1]["step"] == step:
             self._lines[-1].update(values)
         else:

@@ -771,6 +771,57 @@ def test_a_loop_that_stops_logging_its_loss_has_no_nonfinite_loss_live_or_at_the
     assert summary.convergence.nonfinite_step is None and summary.convergence.trend.trend != "non-finite"
 
 
+class _KeyedOutput(dict):
+    """A dict-like model output (as ModelOutput classes are): attributes read its keys, so a missing one
+    raises KeyError, not AttributeError."""
+
+    def __getattr__(self, name):
+        return self[name]
+
+
+class _KeyedRecord:
+    """No mapping, no sequence: an object whose every attribute read raises KeyError."""
+
+    def __getattr__(self, name):
+        raise KeyError(name)
+
+
+class _KeyedModel(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 1)
+
+    def forward(self, batch, extra=None):
+        # (A numpy array ahead of the logits: it has a shape and a dtype, and no `requires_grad`.)
+        return _KeyedOutput(mask=np.ones((4, 1)), record=_KeyedRecord(), logits=self.linear(batch["x"]))
+
+
+@pytest.mark.parametrize("loader", [True, False])
+def test_a_batch_and_a_model_output_whose_attributes_raise_key_error_are_read_as_such(tmp_path, loader):
+    # `getattr(obj, "shape", None)` lets any exception but AttributeError through: a dict-like batch or model
+    # output disabled the scope ("internal error, scope disabled, training continues: KeyError: 'shape'"), as
+    # did an array in the output ahead of its tensor (`requires_grad` read as a tensor's).
+    model = _KeyedModel()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    batches = [_KeyedOutput(x=torch.randn(4, 8)) for _ in range(12)]
+    data = DataLoader(batches, batch_size=None) if loader else batches
+    scope = Scope(tmp_path, console=False, hang_timeout=None, interval=5)
+    scope.watch(model, opt, data if loader else None)
+    for i, batch in enumerate(data):
+        out = model(batch=batch, extra=_KeyedRecord()) if i % 2 else model(batch, _KeyedRecord())
+        out.logits.pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        scope.log(loss=out.logits.pow(2).mean(), record=_KeyedRecord())
+    scope.log(loss=_KeyedRecord())  # not a number: no loss, and no error either
+    scope.finish()
+    assert scope.enabled and scope.errors == []
+    arrays = load_run(tmp_path).arrays
+    assert arrays.n_steps == 12 and (arrays.samples == 4).all()
+    assert (arrays.micro_batches == 1).all() and np.isfinite(arrays.loss).all()
+    assert np.isfinite(arrays.batch_fp).any()  # (the fingerprint read the batch too)
+
+
 def test_a_batch_fed_to_two_watched_models_counts_its_samples_once(tmp_path):
     torch.manual_seed(0)
     loader = DataLoader(TensorDataset(torch.randn(160, 8), torch.randn(160, 1)), batch_size=16)
