@@ -196,12 +196,12 @@ def test_ranks_whose_watched_loaders_differ_in_length_are_named_at_the_start(tmp
 
     def every_rank(self, values):
         gathered.append(values)
-        return [values, [values[0] - 1]]
+        return [values, [values[0] - 1, *values[1:]]]  # (with whether rank 0 set the run up: it did)
 
     monkeypatch.setattr(Coordinator, "all_gather_ints", every_rank)
     scope, model, loader = train(tmp_path, epochs=1)
     scope.finish()
-    assert gathered == [[len(loader)]]  # once, at the start
+    assert gathered == [[len(loader), True]]  # once, at the start
     (uneven,) = [f for f in scope.summary.findings if f.code == "DATA.UNEVEN_SHARDS"]
     assert uneven.ranks == (1,) and uneven.severity.name == "HIGH"
     assert "DATA.UNEVEN_SHARDS" in {
