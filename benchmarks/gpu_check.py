@@ -1593,16 +1593,18 @@ class Progress:
             name, "", status="fail", reason=f"timed out after {seconds:.0f} s (thread stacks on stderr)"
         )
         c.seconds = time.monotonic() - self._since
+        # The stacks first: once its workers are stopped, a check waiting on them returns, and its thread
+        # would be found past the check, in `end`, instead of where it hung.
+        print(
+            f"\n{name}: timed out after {seconds:.0f} s; every thread's stack:", file=sys.stderr, flush=True
+        )
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         tails = stop_processes()
         if tails:
             c.numbers["log_tail"] = tails
         self.checks.append(c)
         self.running, self.timed_out = "", name
         self.write()
-        print(
-            f"\n{name}: timed out after {seconds:.0f} s; every thread's stack:", file=sys.stderr, flush=True
-        )
-        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         self.pack()
         self.write()
         print(f"results: {self.out} (ended: {name} timed out)", flush=True)
