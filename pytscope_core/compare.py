@@ -307,8 +307,8 @@ def compare_runs(run_a: Run, run_b: Run) -> Comparison:
     sb = summarize(run_b.arrays, run_b.context, extra_findings=tuple(run_b.extra_findings))
     per_sample = []
     for run in (run_a, run_b):
-        seconds, _, samples, _ = counted_work(run)
-        per_sample.append(1e3 * seconds / samples if samples > 0 else math.nan)
+        work = counted_work(run)
+        per_sample.append(1e3 * work.seconds / work.samples if work.samples > 0 else math.nan)
     return compare_summaries(sa, sb, str(run_a.path), str(run_b.path), (per_sample[0], per_sample[1]))
 
 

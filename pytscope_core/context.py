@@ -66,9 +66,18 @@ FINISH_WITHOUT_ALL = "finish without every rank"
 FINISH_AFTER_TEARDOWN = "finish() after the process group was destroyed"
 FIT_ENDED_EARLY = "the fit ended before its training did"
 """Lightning: a rank's fit ended (its teardown ran) before its training loop reached its end."""
-PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
-"""What gloo raises in a collective when another process of the job has died or left: the error of a rank
-that lost its peer, not a failure of its own."""
+PEER_GONE = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "remote process exited or there was a network error",
+    "NCCL communicator was aborted",
+)
+"""What a collective raises when another process of the job has died or left: the error of a rank that lost
+its peer, not a failure of its own. Gloo's socket errors; NCCL's `ncclRemoteError` ("remote process exited or
+there was a network error"), and the abort its watchdog makes of the communicator after a peer's loss or a
+collective's timeout ("NCCL communicator was aborted on rank N"): both follow from another rank, as a
+lost connection does (a hang is named by pytscope's own watchdog, not by this error)."""
 
 
 def lost_a_peer(reason: str) -> bool:

@@ -107,13 +107,26 @@ class Scaling:
         return dict(_plain(out))
 
 
-def counted_work(run: Run) -> tuple[float, float, float, float | None]:
-    """(counted wall seconds, counted steps, counted samples or NaN, median per-rank samples per step), over
-    the counted steps that every rank of their launch recorded (`incomplete_steps`)."""
+@dataclass(frozen=True)
+class CountedWork:
+    """A run's work over its counted steps that every rank of their launch recorded (`incomplete_steps`)."""
+
+    seconds: float
+    steps: float
+    samples: float
+    """NaN where some rank did not record its batch size."""
+    per_rank_samples: float | None
+    """Median samples per rank and step; None where not known."""
+    incomplete: int
+    """Counted steps left out because some rank's records are missing (a rank killed or ended early)."""
+
+
+def counted_work(run: Run) -> CountedWork:
     a = run.arrays
     sel = statistics_steps(a)
     wall = step_wall_ms(a)[sel]
-    ok = np.isfinite(wall) & ~incomplete_steps(run)[sel]
+    incomplete = incomplete_steps(run)[sel]
+    ok = np.isfinite(wall) & ~incomplete
     seconds = float(wall[ok].sum()) / 1e3
     samples = np.asarray(a.samples)[sel][ok]
     recorded = np.isfinite(np.asarray(a.wall_ms)[sel][ok])
@@ -121,7 +134,7 @@ def counted_work(run: Run) -> tuple[float, float, float, float | None]:
     known = samples.size > 0 and bool(np.all(np.isfinite(samples[recorded])))
     total = float(np.nansum(samples)) if known else math.nan
     per_rank = float(np.nanmedian(samples[recorded])) if known else None
-    return seconds, float(ok.sum()), total, per_rank
+    return CountedWork(seconds, float(ok.sum()), total, per_rank, int(incomplete.sum()))
 
 
 def incomplete_steps(run: Run) -> np.ndarray:
@@ -177,12 +190,6 @@ def _launches(run: Run) -> tuple[int, ...]:
     return launch_sequence([s.world_size for s in run.context.segments])
 
 
-def _has_counted_steps(run: Run) -> bool:
-    """Steps past the warm-up with a wall time: a throughput (warm-up steps alone would give a false one)."""
-    counted = np.asarray(run.arrays.counted, dtype=bool)
-    return bool(counted.any()) and counted_work(run)[1] > 0
-
-
 class NothingToScale(ValueError):
     """No run given has a counted step."""
 
@@ -198,20 +205,23 @@ def scaling_points(runs: Sequence[Run], target_loss: float | None = None, weak: 
     pieced = [
         (p, tuple(s.index for s in p.context.segments) if len(ps) > 1 else ()) for _, ps in split for p in ps
     ]
-    counted = [_has_counted_steps(p) for p, _ in pieced]
-    empty = [piece for piece, ok in zip(pieced, counted, strict=True) if not ok]
-    pieced = [piece for piece, ok in zip(pieced, counted, strict=True) if ok]
-    if not pieced:
+    # Steps past the warm-up with a wall time give a throughput (warm-up steps alone would give a false one).
+    counted = [counted_work(p) if np.asarray(p.arrays.counted, dtype=bool).any() else None for p, _ in pieced]
+    empty = [piece for piece, c in zip(pieced, counted, strict=True) if c is None or c.steps == 0]
+    kept = [(piece, c) for piece, c in zip(pieced, counted, strict=True) if c is not None and c.steps > 0]
+    if not kept:
         raise NothingToScale("no run has counted steps")
-    runs, parts = [p for p, _ in pieced], [part for _, part in pieced]
+    runs, parts = [p for (p, _), _ in kept], [part for (_, part), _ in kept]
     summaries: list[Summary] = [
         summarize(r.arrays, r.context, extra_findings=tuple(r.extra_findings)) for r in runs
     ]
     order = sorted(range(len(runs)), key=lambda i: (summaries[i].run.world_size, str(runs[i].path)))
-    work = [counted_work(runs[i]) for i in order]
-    use_samples = all(math.isfinite(w[2]) for w in work)
+    work = [kept[i][1] for i in order]
+    use_samples = all(math.isfinite(w.samples) for w in work)
     unit = "samples/s" if use_samples else "steps/s"
-    throughputs = [(w[2] if use_samples else w[1]) / w[0] if w[0] > 0 else math.nan for w in work]
+    throughputs = [
+        (w.samples if use_samples else w.steps) / w.seconds if w.seconds > 0 else math.nan for w in work
+    ]
     worlds = [max(summaries[i].run.world_size, 1) for i in order]
     base_w, base_t = worlds[0], throughputs[0]
     notes: list[str] = [
@@ -231,8 +241,8 @@ def scaling_points(runs: Sequence[Run], target_loss: float | None = None, weak: 
     notes.extend(
         f"{runs[i].path}: {n} counted step(s) with some ranks' records missing (a rank killed or ended early) "
         "left out of its throughput"
-        for i in order
-        if (n := int((incomplete_steps(runs[i]) & statistics_steps(runs[i].arrays)).sum()))
+        for i, w in zip(order, work, strict=True)
+        if (n := w.incomplete)
     )
     if base_w != 1:
         notes.append(
@@ -242,13 +252,15 @@ def scaling_points(runs: Sequence[Run], target_loss: float | None = None, weak: 
     if len(set(worlds)) < len(worlds):
         notes.append("several runs share a worker count; the first one (by path) is the base for its count")
     if not use_samples:
-        missing = [str(runs[i].path) for i, w in zip(order, work, strict=True) if not math.isfinite(w[2])]
+        missing = [
+            str(runs[i].path) for i, w in zip(order, work, strict=True) if not math.isfinite(w.samples)
+        ]
         notes.append(
             f"batch size not recorded in {', '.join(missing)}: throughput is in steps/s, which assumes every "
             "run does the same work per step; the global-batch contract cannot be checked"
         )
     else:
-        notes.extend(_batch_contract(worlds, [w[3] for w in work], weak))
+        notes.extend(_batch_contract(worlds, [w.per_rank_samples for w in work], weak))
 
     points = []
     for k, i in enumerate(order):
@@ -259,7 +271,7 @@ def scaling_points(runs: Sequence[Run], target_loss: float | None = None, weak: 
         if not s.run.comm_measured:
             shares["comm"] = math.nan
         seconds, step = time_to_target(runs[i], target_loss) if target_loss is not None else (None, None)
-        per_rank = work[k][3]
+        per_rank = work[k].per_rank_samples
         points.append(
             ScalingPoint(
                 run=str(runs[i].path),

@@ -372,6 +372,13 @@ GLOO_RESET = (
 )
 
 
+NCCL_LOST = (
+    "the process raised DistBackendError: NCCL error in: ProcessGroupNCCL.cpp:3356, remote process exited or "
+    "there was a network error, NCCL version 2.27.5",
+    "the process raised DistBackendError: NCCL communicator was aborted on rank 0. Original reason for failure",
+)
+
+
 def own_rows(rows, rank):
     return rows[rows[:, COL["rank"]] == rank]
 
@@ -388,6 +395,12 @@ def test_a_rank_killed_without_a_word_is_named_not_the_lost_connection_that_foll
     assert "Rank 0 then raised RuntimeError: … Connection reset by peer after step 69" in failed.detail
     assert "rank 1's process died" in failed.recommendation and "dmesg" in failed.recommendation
     assert "Read rank 0" not in failed.recommendation
+    # The same under NCCL: its remote error, or the abort of the communicator that followed, is no cause.
+    for n, nccl in enumerate(NCCL_LOST):
+        write_run(tmp_path / f"n{n}", steps=50)
+        append_rank_rows(tmp_path / f"n{n}", 0, own_rows(rows_for(steps=19, first=51), 0), nccl)
+        (failed,) = [f for f in findings_of(tmp_path / f"n{n}") if f.code == "RUN.FAILED"]
+        assert failed.ranks == (1,) and failed.title.startswith("rank 1 was killed"), failed
     # Mirrored, and before the first gather: rank 0 killed with no record at all, rank 1's connection lost.
     w = RunWriter(tmp_path / "k", {"world_size": 2, "interval": 50, "warmup": 2})
     w.event("segment", index=0, started_s=1000.0, resumed_from_step=0, world_size=2)
