@@ -119,6 +119,7 @@ class RunContext:
     device: str = "cpu"  # e.g. "cpu", "NVIDIA H100 80GB HBM3"
     flops_per_step: float | None = None  # model FLOPs of one optimizer step on one rank
     peak_flops: float | None = None  # per-device peak FLOP/s
+    precision: str | None = None  # what the matmuls train at: "bf16" (bf16/fp16 or autocast), "tf32", "fp32"
     mem_limit_bytes: float | None = None  # device memory (CUDA) or host RAM (CPU)
     parallelism: str | None = None  # what the model was wrapped in (parallelism.py); None: not recorded
     integration: str | None = (
@@ -165,6 +166,7 @@ class RunContext:
             "device": str(meta.get("device", "cpu")),
             "flops_per_step": _positive(meta.get("flops_per_step")),
             "peak_flops": _positive(meta.get("peak_flops")),
+            "precision": meta.get("precision") if isinstance(meta.get("precision"), str) else None,
             "mem_limit_bytes": _positive(meta.get("mem_limit_bytes")),
             "parallelism": meta.get("parallelism"),
             "integration": meta.get("integration") if isinstance(meta.get("integration"), str) else None,

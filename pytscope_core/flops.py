@@ -297,6 +297,7 @@ class StepFlops:
         bf16/fp16 autocast train at the bf16 rate."""
         if not self.precision_given and autocast_active() and self.precision != "bf16":
             self.precision = "bf16"
+            self.learnt.update(precision="bf16")
             if self.device is not None and not self.peak_given:  # the run began with another precision's peak
                 self.learnt.update(peak_precision="bf16", peak_flops=peak_flops_for(self.device, "bf16"))
 

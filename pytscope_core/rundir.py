@@ -486,6 +486,7 @@ _SETTINGS: dict[str, tuple[type, ...]] = {  # meta.json settings the analysis re
     "comm_measured": (bool,),
     "flops_per_step": (int, float, type(None)),
     "peak_flops": (int, float, type(None)),
+    "precision": (str, type(None)),
     "mem_limit_bytes": (int, float, type(None)),
 }
 

@@ -381,6 +381,7 @@ def run_meta(scope: Scope) -> dict[str, Any]:
         "mem_limit_bytes": mem_limit,
         "peak_flops": options.peak_flops or peak_flops_for(device, precision),
         "peak_precision": None if options.peak_flops else precision,
+        "precision": scope.flops.precision,  # None until the model is seen; autocast's is learnt later
         "flops_per_step": options.flops_per_step,
         "flops_estimated": False,
         "parallelism": scope.parallelism.name,

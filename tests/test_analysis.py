@@ -661,6 +661,10 @@ def test_a_loss_that_stays_non_finite_on_one_rank_is_non_finite_not_improving():
     assert "The loss of rank(s) 1 stayed non-finite from step 40 to the end (111 step(s)" in found.detail
     assert found.evidence["nonfinite_to_end_steps"] == 111 and found.evidence["nonfinite_steps"] == 111
     assert not [f for f in run_rules(a) if f.code == "CONVERGENCE.NO_PROGRESS"]
+    # The last finite loss is the last step every rank's loss was finite in, as the finding says: not rank 0's
+    # alone at step 40, the first step rank 1's went NaN.
+    assert c.last_loss == pytest.approx(loss[38].mean()) and c.loss_before_nonfinite == c.last_loss
+    assert len(c.sparkline_values) == 39
     out = io.StringIO()
     Console(file=out, width=100, color_system=None).print(
         render_convergence(summarize(make_run(150, 2, loss=loss), RunContext(world_size=2)))
@@ -1242,7 +1246,12 @@ def test_low_mfu_only_when_known():
     arrays = make_run(200, 2)
     assert "EFFICIENCY.LOW_MFU" not in codes(diagnose(arrays, RunContext(world_size=2)))
     ctx = RunContext(world_size=2, flops_per_step=1e9, peak_flops=1e15)
-    assert "EFFICIENCY.LOW_MFU" in codes(diagnose(arrays, ctx, strict=True))
+    (low,) = [f for f in diagnose(arrays, ctx, strict=True) if f.code == "EFFICIENCY.LOW_MFU"]
+    assert "bf16 autocast" in low.recommendation
+    # A run that trains in bf16 already is not told to.
+    ctx = dataclasses.replace(ctx, precision="bf16")
+    (low,) = [f for f in diagnose(arrays, ctx, strict=True) if f.code == "EFFICIENCY.LOW_MFU"]
+    assert "bf16" not in low.recommendation and "fused kernels" in low.recommendation
 
 
 def test_steps_of_more_micro_batches_are_not_jitter():
@@ -1297,6 +1306,8 @@ def test_ranks_on_identical_batches_are_named_with_the_compute_they_waste():
     assert len(found) == 1 and found[0].ranks == (0, 1, 2, 3) and found[0].severity == Severity.HIGH
     assert "3 of 4 ranks (1, 2, 3) repeat rank 0's data" in found[0].detail
     assert found[0].evidence["duplicated_share"] == pytest.approx(0.75)
+    # An IterableDataset takes no sampler: the advice says how to shard one (Lightning's flag cannot).
+    assert "IterableDataset" in found[0].recommendation and "__iter__" in found[0].recommendation
 
 
 def test_two_pairs_sharing_data_are_half_the_compute():

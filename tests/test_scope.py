@@ -583,7 +583,8 @@ def test_the_peak_follows_autocast_in_a_plain_loop(tmp_path):
         opt.zero_grad()
     scope.finish()
     # (The run starts before the first forward, where autocast is seen: the run learns it, as a meta event.)
-    assert load_run(tmp_path).meta["peak_precision"] == "bf16"
+    run = load_run(tmp_path)
+    assert run.meta["peak_precision"] == "bf16" and run.context.precision == "bf16"
     assert scope.flops.precision == "bf16"
 
 

@@ -568,7 +568,9 @@ def convergence(
     if history is None:
         history = LossHistory(arrays.steps, window, sel, any_rank(bad))
     steps, per_step, sel_all, nonfinite = history
-    finite = per_step[np.isfinite(per_step)]
+    # A step where some rank's loss was non-finite is a non-finite step: the mean of the other ranks' losses
+    # there is not the run's loss ("last finite" would be half of a step that went NaN).
+    finite = per_step[np.isfinite(per_step) & ~nonfinite]
     step, ranks = seen if seen is not None else first_nonfinite(arrays, bad)
     tail = None
     at = nonfinite_tail(nonfinite, per_step) if step is not None else None

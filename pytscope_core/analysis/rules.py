@@ -904,7 +904,10 @@ def duplicate_shards(a: RunAnalysis) -> list[Finding]:
             recommendation=(
                 "Give each rank its own shard: a DistributedSampler (Lightning: use_distributed_sampler=True; "
                 "Accelerate: pass the DataLoader to accelerator.prepare), or seed each rank's shuffling with its "
-                "rank. If these ranks are meant to share batches (tensor or pipeline parallel), ignore this."
+                "rank. An IterableDataset takes no sampler (Lightning's flag leaves it as it is): split its "
+                "stream by rank in its __iter__ (e.g. itertools.islice(stream, rank, None, world_size), or one "
+                "file per rank). If these ranks are meant to share batches (tensor or pipeline parallel), "
+                "ignore this."
             ),
             ranks=tuple(ranks),
             evidence={"duplicated_share": d.duplicated_share, "steps_checked": float(d.steps_checked)},
@@ -1508,8 +1511,10 @@ def low_mfu(a: RunAnalysis) -> list[Finding]:
                 f"with a {a.ctx.peak_flops:.3g} FLOP/s peak ({a.ctx.device})."
             ),
             recommendation=(
-                "Raise the per-device batch size, use bf16 autocast and fused kernels (torch.compile, flash "
-                "attention), and fix the largest recoverable budget line first."
+                "Raise the per-device batch size, use "
+                + ("" if a.ctx.precision == "bf16" else "bf16 autocast and ")
+                + "fused kernels (torch.compile, flash attention), and fix the largest recoverable budget line "
+                "first."
             ),
             evidence={"mfu": mfu},
         )
