@@ -119,6 +119,8 @@ def render_run(summary: Summary) -> RenderableType:
     ]
     if g.excluded_s >= 0.05:  # what the elapsed time also holds, where it is there to see
         lost.append(f"paused (validation, checkpoints) {_num(g.excluded_s, '.1f', ' s')}")
+    if g.hang_s >= 0.05:  # stuck after the last step until DIST.HANG's report: not start-up or teardown
+        lost.append(f"hung (DIST.HANG) {_num(g.hang_s, '.1f', ' s')}")
     if g.unaccounted_s >= 0.05:
         lost.append(f"outside steps (start-up, gathers, teardown) {_num(g.unaccounted_s, '.1f', ' s')}")
     table.add_row("goodput", f"{goodput} ({', '.join(lost)})")

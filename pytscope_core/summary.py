@@ -100,6 +100,7 @@ class Summary:
                     "replayed_s": g.replayed_s,
                     "warmup_s": g.warmup_s,
                     "excluded_s": g.excluded_s,
+                    "hang_s": g.hang_s,
                     "unaccounted_s": g.unaccounted_s,
                 },
             },

@@ -1356,6 +1356,36 @@ def test_time_a_job_spent_hung_counts_against_goodput():
     assert g.elapsed_s == pytest.approx(0.5, abs=1e-6)  # without the report: the steps alone
 
 
+def test_goodput_names_the_time_a_launch_was_hung_not_start_up():
+    # A reviewer's 2-rank Accelerate run hung at step 50 (rank 1 skipped a batch); the 20 s rank 0 then waited
+    # in the all-reduce until DIST.HANG read "outside steps (start-up, gathers, teardown) 20.4 s".
+    # Launch 0: 50 steps of 10 ms from t=1000 s, stuck until its hang report at t=1006 s. Launch 1, resumed at
+    # t=1010 s, hung before its first step was recorded: reported at t=1020 s after 7 s without progress, so
+    # 3 s of it were start-up.
+    rows = _rows(0, range(1, 51), 1000.0)
+    report = {"code": "DIST.HANG", "segment": 1, "evidence": {"idle_s_rank0": 7.0, "idle_s_rank1": 6.5}}
+    ctx = RunContext(
+        world_size=2,
+        segments=(Segment(0, 1000.0, 0, 2), Segment(1, 1010.0, 50, 2)),
+        hang_reports=({"code": "DIST.HANG", "segment": 0, "evidence": {"idle_s_rank0": 5.4}}, report),
+        alive=((0, 1006.0), (1, 1020.0)),
+    )
+    s = summarize(RunArrays.from_rows(rows, warmup=0), ctx)
+    g = s.efficiency.goodput
+    assert g.elapsed_s == pytest.approx(20.0, abs=1e-6) and g.downtime_s == pytest.approx(4.0, abs=1e-6)
+    assert g.hang_s == pytest.approx(5.5 + 7.0, abs=1e-6)
+    assert g.unaccounted_s == pytest.approx(3.0, abs=1e-6)
+    assert s.to_dict()["run"]["goodput"]["hang_s"] == pytest.approx(12.5, abs=1e-6)
+    console = Console(file=io.StringIO(), width=200, color_system=None)
+    console.print(render_summary(s))
+    out = " ".join(console.file.getvalue().split())
+    assert "hung (DIST.HANG) 12.5 s" in out and "teardown) 3.0 s" in out
+    # A report the launch's steps went on past was a stall inside a step: its time is the step's.
+    went_on = dataclasses.replace(ctx, segments=ctx.segments[:1], hang_reports=(), alive=((0, 1000.2),))
+    g = summarize(RunArrays.from_rows(rows, warmup=0), went_on).efficiency.goodput
+    assert g.hang_s == 0.0 and g.elapsed_s == pytest.approx(0.5, abs=1e-6)
+
+
 def test_a_spike_while_the_loss_still_falls_fast_is_found_and_the_fall_alone_is_not_one():
     # An audit's 2-rank run logged 6.51 and 4.98 at step 80 against about 0.7 at steps 79 and 81 and read
     # "spikes: none": the trailing 50 steps' median (1.71) lagged the fall, and the fall's spread (0.88)

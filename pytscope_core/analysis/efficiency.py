@@ -4,8 +4,9 @@ The budget splits counted wall time into useful compute (forward + backward), da
 sync wait (imbalance: the straggler's bill, never communication cost), optimizer and other; the lines add up
 to 1 and say which could be won back. Where communication is not measured (`parallelism.py`), its two lines say
 "not measured" (share NaN) and forward + backward is not called useful compute: the waits are inside it. Goodput is the wall time of counted steps over the elapsed time of the
-whole job, with the losses named: downtime between segments, steps replayed after a resume, warm-up, and
-what no step covers (start-up, validation, checkpoints).
+whole job, with the losses named: downtime between segments, steps replayed after a resume, warm-up, a
+launch's time stuck in a hang (after its last step, until the watchdog reported it), and what no step covers
+(start-up, validation, checkpoints).
 """
 
 from __future__ import annotations
@@ -51,14 +52,15 @@ class SegmentSpan:
 
 @dataclass(frozen=True)
 class Goodput:
-    elapsed_s: float  # first segment start to last step end
+    elapsed_s: float  # first segment start to last step end (or a hang report after it)
     productive_s: float  # wall of counted steps (rank mean)
     goodput: float  # productive_s / elapsed_s
     downtime_s: float  # gaps between one segment's last step and the next segment's start
     replayed_s: float  # wall of steps redone after a resume (rank mean)
     warmup_s: float  # wall of steps left out of statistics
     excluded_s: float  # validation, checkpoints ... inside steps
-    unaccounted_s: float  # elapsed time no step covers (start-up, teardown, gaps inside a segment)
+    hang_s: float  # time launches spent stuck in a hang: after their last step, until its report (`_hung`)
+    unaccounted_s: float  # elapsed time no step covers (start-up, teardown, gaps inside a segment) but a hang
     segments: tuple[SegmentSpan, ...]
 
 
@@ -126,6 +128,7 @@ def goodput(arrays: RunArrays, ctx: RunContext, wall: np.ndarray, sel: np.ndarra
 
     known = {s.index: s for s in ctx.segments}
     spans = []
+    hung = 0.0
     for index in sorted(set(seg.tolist()) | set(rep_seg.tolist()) | set(known)):
         mine = seg == index
         ends = np.concatenate((end[mine], rep_end[rep_seg == index]))
@@ -134,7 +137,9 @@ def goodput(arrays: RunArrays, ctx: RunContext, wall: np.ndarray, sel: np.ndarra
         info = known.get(index)
         began = info.started_s if info else (float(starts.min()) if starts.size else math.nan)
         # A launch that hung ran, stuck, at least until its hang report: that time is lost, not absent.
-        ends = np.concatenate((ends, [t for s, t in ctx.alive if s == index]))
+        reported = [t for s, t in ctx.alive if s == index]
+        hung += _hung(ctx, index, float(ends.max()) if ends.size else None, began, reported)
+        ends = np.concatenate((ends, reported))
         steps = arrays.steps[mine]
         spans.append(
             SegmentSpan(
@@ -158,7 +163,7 @@ def goodput(arrays: RunArrays, ctx: RunContext, wall: np.ndarray, sel: np.ndarra
     # Rank means, like the step wall: a pause on rank 0 and its peers' wait for it in the next step (moved to
     # excluded as well) are one stretch of the job's time, not two.
     excluded = float(np.nansum(stats.mean_over_ranks(arrays.excluded_ms))) / 1e3 if n else 0.0
-    accounted = productive + warmup + excluded + rep_wall + downtime
+    accounted = productive + warmup + excluded + rep_wall + downtime + hung
     elapsed = max(elapsed, accounted)  # clocks of different hosts can disagree; never report goodput > 1
     return Goodput(
         elapsed_s=elapsed,
@@ -170,7 +175,30 @@ def goodput(arrays: RunArrays, ctx: RunContext, wall: np.ndarray, sel: np.ndarra
         excluded_s=excluded,
         unaccounted_s=max(0.0, elapsed - accounted),
         segments=tuple(spans),
+        hang_s=hung,
     )
+
+
+def _hung(
+    ctx: RunContext, segment: int, last_end: float | None, began: float, reported: list[float]
+) -> float:
+    """Seconds launch `segment` spent stuck in a hang: from the end of its last recorded step (the step the
+    ranks then began is the one the hang stopped) to its latest hang report. A report that the launch's steps
+    went on past was a stall inside a step, whose time the step holds: none here. A launch that hung before
+    its first step recorded has no step to start from: its reports' longest wait (the watchdog's `idle_s`),
+    within the launch, is the hang, and what came before it start-up."""
+    if not reported:
+        return 0.0
+    if last_end is not None:
+        return max(0.0, max(reported) - last_end)
+    waits = [
+        float(v)
+        for h in ctx.hang_reports
+        if h.get("segment") == segment
+        for k, v in (h.get("evidence") or {}).items()
+        if k.startswith("idle_s_rank") and isinstance(v, (int, float)) and math.isfinite(v)
+    ]
+    return min(max(waits), max(0.0, max(reported) - began)) if waits and math.isfinite(began) else 0.0
 
 
 def efficiency(
