@@ -59,6 +59,9 @@ RAISED = " raised "
 """In the reason a rank wrote its own rows with, when an exception ended it ("the fit raised ...")."""
 LEFT = " left the job "
 """...and when it ended without finish() while another rank waited for it ("the process left the job ...")."""
+STOPPED = "stopped without a final gather: "
+"""Rank 0's scope note when its training ended it before the last gather, followed by its reason (the one its
+own rows were written with); the report puts the run's first failure there where another rank's came first."""
 NOT_FAILURES = ("KeyboardInterrupt", "SystemExit")
 """Exceptions after RAISED that end a rank without failing it: a user's Ctrl-C, a script's exit."""
 FINISH_WITHOUT_ALL = "finish without every rank"

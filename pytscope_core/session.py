@@ -26,7 +26,7 @@ import numpy as np
 
 from .clocks import CudaEventClock
 from .collectives import TorchCollectives
-from .context import FINISH_AFTER_TEARDOWN, FINISH_WITHOUT_ALL, LEFT, Segment
+from .context import FINISH_AFTER_TEARDOWN, FINISH_WITHOUT_ALL, LEFT, STOPPED, Segment
 from .coordinator import default_store, dist_alive
 from .findings import Finding
 from .records import COL
@@ -301,7 +301,7 @@ class RunSession:
         self.stop_watching()
         self.own_rows.flush(reason)
         # (Not an error of the scope's: the training ended it, e.g. an exception or Ctrl-C in fit().)
-        self.scope.note(f"stopped without a final gather: {reason}", warn=False)
+        self.scope.note(f"{STOPPED}{reason}", warn=False)
         return self.report()
 
     def report(self) -> Any:

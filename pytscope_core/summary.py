@@ -17,7 +17,7 @@ from .analysis.data import DuplicateShards
 from .analysis.distributed import DistributedTiming
 from .analysis.efficiency import Efficiency
 from .analysis.memory import MemoryStats
-from .analysis.rules import run_rules
+from .analysis.rules import run_rules, stopped_note
 from .analysis.run import RankEnd, RunAnalysis, analyze
 from .analysis.timing import StepTiming, few_steps_note
 from .arrays import RunArrays
@@ -248,7 +248,7 @@ def summary_of(analysis: RunAnalysis, findings: list[Finding]) -> Summary:
         duplicates=analysis.duplicates,
         findings=tuple(findings),
         scope_errors=tuple(ctx.scope_errors),
-        scope_notes=tuple(ctx.scope_notes),
+        scope_notes=tuple(stopped_note(analysis, note) for note in ctx.scope_notes),
     )
 
 

@@ -427,6 +427,52 @@ def test_a_rank_that_finished_alone_is_named_not_the_lost_connection_that_follow
     assert "fewer batches" in failed.recommendation and "Read rank 0" not in failed.recommendation
 
 
+def stopped_note(path, reason):
+    """Rank 0's scope note when its training ended it before the last gather (`Session.stop`)."""
+    w = RunWriter(path, {"world_size": 2})
+    w.event("scope_note", message=f"stopped without a final gather: {reason}")
+    w.close()
+
+
+def test_rank_0s_stopped_note_is_headed_by_the_failure_run_failed_names(tmp_path, capsys):
+    # A reviewer's 2-rank Accelerate run: rank 1 raised after step 40, and rank 0's next all-reduce lost its
+    # connection. Rank 0's note quoted that lost connection ("stopped without a final gather: the process
+    # raised RuntimeError: [...pair.cc:553] Connection closed by peer"), under RUN.FAILED naming rank 1.
+    closed = (
+        "the process raised RuntimeError: [../gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+        "[127.0.0.1]:54966. This is typically caused by a remote worker "
+    )
+    empty = np.empty((0, NCOLS))
+    write_run(tmp_path / "r", steps=40)
+    append_rank_rows(tmp_path / "r", 1, empty, "the process raised RuntimeError: injected failure", 40)
+    append_rank_rows(tmp_path / "r", 0, empty, closed, 40)
+    stopped_note(tmp_path / "r", closed)
+    run = load_run(tmp_path / "r")
+    (note,) = summarize(run.arrays, run.context).scope_notes
+    assert note == (
+        "stopped without a final gather: rank 1 failed after step 40: RuntimeError: injected failure "
+        "(RUN.FAILED); rank 0's own error followed: RuntimeError: … Connection closed by peer"
+    )
+    assert main(["report", str(tmp_path / "r")]) == 0
+    assert f"note {note}" in " ".join(capsys.readouterr().out.split())
+    # Rank 1 killed without a word: the note names it as RUN.FAILED does.
+    write_run(tmp_path / "k", steps=40)
+    append_rank_rows(tmp_path / "k", 0, own_rows(rows_for(steps=9, first=41), 0), GLOO_RESET)
+    stopped_note(tmp_path / "k", GLOO_RESET)
+    run = load_run(tmp_path / "k")
+    (note,) = summarize(run.arrays, run.context).scope_notes
+    assert note.startswith("stopped without a final gather: rank 1 was killed (no error of its own; records")
+    # Rank 0's own failure, the run's first, is the note's cause as it stands.
+    write_run(tmp_path / "o", steps=40)
+    append_rank_rows(tmp_path / "o", 0, empty, "the process raised ValueError: bad batch", 40)
+    append_rank_rows(tmp_path / "o", 1, empty, closed, 40)
+    stopped_note(tmp_path / "o", "the process raised ValueError: bad batch")
+    run = load_run(tmp_path / "o")
+    assert summarize(run.arrays, run.context).scope_notes == (
+        "stopped without a final gather: the process raised ValueError: bad batch",
+    )
+
+
 def test_a_single_rank_failure_points_at_no_other_ranks(tmp_path):
     w = RunWriter(tmp_path / "r", {"world_size": 1, "interval": 10, "warmup": 2})
     w.event("segment", index=0, started_s=1000.0, resumed_from_step=0, world_size=1)

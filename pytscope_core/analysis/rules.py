@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable
 
 import numpy as np
 
-from ..context import LEFT, PEER_GONE, RAISED, RankFailure, ended_alone, lost_a_peer
+from ..context import LEFT, PEER_GONE, RAISED, STOPPED, RankFailure, ended_alone, lost_a_peer
 from ..findings import Finding, Severity, format_ranks, severity_at
 from .distributed import CountDivergence, majority
 from .run import KILLED, RankEnd, RunAnalysis
@@ -640,17 +640,37 @@ def failed(a: RunAnalysis) -> list[Finding]:
     out, seen = [], set()
     for failure in a.ctx.failures:
         # One finding per launch (a run from before launches were written: whether the job went on past).
-        launch = _launch_of(failure)
-        if launch in seen:
-            continue
-        seen.add(launch)
-        same = [f for f in a.ctx.failures if _launch_of(f) == launch]
-        # A lost connection follows a rank that was gone: another failure of the launch is the cause, whatever
-        # the order the ranks wrote them in (their clocks, their exit paths).
-        first = next((f for f in same if not lost_a_peer(f.reason)), same[0])
-        gone = _gone_first(a, first, same) if lost_a_peer(first.reason) else None
-        out.append(_peer_gone(a, gone, same) if gone is not None else _failure(a, first, same))
+        if _launch_of(failure) not in seen:
+            seen.add(_launch_of(failure))
+            out.append(launch_failed(a, failure))
     return out
+
+
+def launch_failed(a: RunAnalysis, failure: RankFailure) -> Finding:
+    """RUN.FAILED of the launch `failure` ended: the rank whose failure came first there, or gone first."""
+    same = [f for f in a.ctx.failures if _launch_of(f) == _launch_of(failure)]
+    # A lost connection follows a rank that was gone: another failure of the launch is the cause, whatever
+    # the order the ranks wrote them in (their clocks, their exit paths).
+    first = next((f for f in same if not lost_a_peer(f.reason)), same[0])
+    gone = _gone_first(a, first, same) if lost_a_peer(first.reason) else None
+    return _peer_gone(a, gone, same) if gone is not None else _failure(a, first, same)
+
+
+def stopped_note(a: RunAnalysis, note: str) -> str:
+    """A scope note that its rank stopped without a final gather, on an error that followed another rank's
+    (a collective's lost connection to a rank that had failed or gone), headed by the cause RUN.FAILED names:
+    the error the note quotes is that rank's own, the first it saw, not the run's first failure."""
+    reason = note.removeprefix(STOPPED)
+    quoted = [f for f in a.ctx.failures if f.reason == reason] if reason != note else []
+    failure = min(quoted, key=lambda f: f.rank, default=None)  # (the notes are rank 0's scope's)
+    if failure is None:
+        return note
+    cause = launch_failed(a, failure)
+    if cause.ranks == (failure.rank,):
+        return note
+    what = _lost_connection(reason)
+    what = what if len(what) <= 80 else f"{what[:80]}…"
+    return f"{STOPPED}{cause.title} ({cause.code}); rank {failure.rank}'s own error followed: {what}"
 
 
 def _failure(a: RunAnalysis, first: RankFailure, same: list[RankFailure]) -> Finding:
