@@ -122,6 +122,7 @@ class RunContext:
     device: str = "cpu"  # e.g. "cpu", "NVIDIA H100 80GB HBM3"
     flops_per_step: float | None = None  # model FLOPs of one optimizer step on one rank
     peak_flops: float | None = None  # per-device peak FLOP/s
+    step_origin: int = 1  # the number the framework gives its first step (Lightning: 0)
     precision: str | None = None  # what the matmuls train at: "bf16" (bf16/fp16 or autocast), "tf32", "fp32"
     mem_limit_bytes: float | None = None  # device memory (CUDA) or host RAM (CPU)
     parallelism: str | None = None  # what the model was wrapped in (parallelism.py); None: not recorded
@@ -169,6 +170,7 @@ class RunContext:
             "device": str(meta.get("device", "cpu")),
             "flops_per_step": _positive(meta.get("flops_per_step")),
             "peak_flops": _positive(meta.get("peak_flops")),
+            "step_origin": int(meta.get("step_origin", 1)),
             "precision": meta.get("precision") if isinstance(meta.get("precision"), str) else None,
             "mem_limit_bytes": _positive(meta.get("mem_limit_bytes")),
             "parallelism": meta.get("parallelism"),

@@ -1094,6 +1094,22 @@ def test_steps_a_killed_launch_ran_but_never_wrote_are_named_after_the_resume(st
         assert summarize(arrays, ctx).run.unrecorded == ()
 
 
+def test_the_step_a_launch_resumed_from_is_in_the_frameworks_numbers():
+    # Lightning with two optimizers numbers its steps 0, 2, 4 ... (global_step): a checkpoint after 60 steps is
+    # "step=120", and the resumed launch's first step is 120. The segment said 60, pytscope's own count.
+    first = _rows(0, range(0, 100, 2), 1000.0)
+    second = _rows(1, range(120, 300, 2), 1030.0)
+    arrays = RunArrays.from_rows(np.vstack([first, second]), warmup=0)
+    segments = (Segment(0, 1000.0, 0, 2), Segment(1, 1030.0, 60, 2))
+    s = summarize(arrays, RunContext(world_size=2, segments=segments, step_origin=0)).to_dict()
+    assert [g["resumed_from_step"] for g in s["run"]["segments"]] == [0, 120]
+    # A plain loop numbers its steps from 1: resumed after step 60, its first step is 61.
+    first, second = _rows(0, range(1, 51), 1000.0), _rows(1, range(61, 151), 1030.0)
+    arrays = RunArrays.from_rows(np.vstack([first, second]), warmup=0)
+    s = summarize(arrays, RunContext(world_size=2, segments=segments)).to_dict()
+    assert [g["resumed_from_step"] for g in s["run"]["segments"]] == [0, 60]
+
+
 def test_a_hang_that_ended_its_launch_stays_a_hang_after_the_resume_replays_its_step():
     # on_hang="abort": launch 0 hung at step 41 and exited; the launcher resumed from the step-30 checkpoint
     # and the new launch went on past step 41. That hang was not "a stall the run went on past".

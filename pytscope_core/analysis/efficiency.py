@@ -141,6 +141,10 @@ def goodput(arrays: RunArrays, ctx: RunContext, wall: np.ndarray, sel: np.ndarra
         hung += _hung(ctx, index, float(ends.max()) if ends.size else None, began, reported)
         ends = np.concatenate((ends, reported))
         steps = arrays.steps[mine]
+        resumed = info.resumed_from_step if info else 0
+        if resumed > 0:
+            replayed = rep[rep_seg == index, COL["step"]] if rep.size else np.empty(0)
+            resumed = _resumed_label(resumed, ctx.step_origin, steps, replayed)
         spans.append(
             SegmentSpan(
                 index=int(index),
@@ -149,7 +153,7 @@ def goodput(arrays: RunArrays, ctx: RunContext, wall: np.ndarray, sel: np.ndarra
                 first_step=int(steps.min()) if steps.size else 0,
                 last_step=int(steps.max()) if steps.size else 0,
                 steps=int(steps.size),
-                resumed_from_step=info.resumed_from_step if info else 0,
+                resumed_from_step=resumed,
                 world_size=info.world_size if info else arrays.world_size,
             )
         )
@@ -177,6 +181,14 @@ def goodput(arrays: RunArrays, ctx: RunContext, wall: np.ndarray, sel: np.ndarra
         segments=tuple(spans),
         hang_s=hung,
     )
+
+
+def _resumed_label(count: int, origin: int, kept: np.ndarray, replayed: np.ndarray) -> int:
+    """The step a launch resumed from, in the framework's numbers as every other step is: the launch's first
+    step, less the number the framework gives its first (Lightning's `global_step` at the checkpoint, which
+    with two optimizers is twice the steps done). `count`, the steps done, where the launch recorded none."""
+    labels = np.concatenate((kept, replayed))
+    return int(labels.min()) - origin if labels.size else count
 
 
 def _hung(
