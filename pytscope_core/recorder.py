@@ -26,6 +26,18 @@ from .values import to_floats
 _STEP_END, _FORWARD_END, _OPTIMIZER_END = int(Mark.STEP_END), int(Mark.FORWARD_END), int(Mark.OPTIMIZER_END)
 _LOOP_COMM_BEGIN, _LOOP_COMM_END = int(Mark.LOOP_COMM_BEGIN), int(Mark.LOOP_COMM_END)
 _BACKWARD_END = int(Mark.BACKWARD_END)
+# What a loop may still do after its last step, before finish(): wait in collectives (a metric's gather, a
+# barrier before saving) and run a forward (evaluation in training mode).
+_EPILOGUE = frozenset(
+    (
+        _LOOP_COMM_BEGIN,
+        _LOOP_COMM_END,
+        int(Mark.COMM_BEGIN),
+        int(Mark.COMM_END),
+        int(Mark.FORWARD_BEGIN),
+        _FORWARD_END,
+    )
+)
 _RSS_UNIT = 1 if sys.platform == "darwin" else 1024  # ru_maxrss is bytes on macOS, KiB on Linux
 MEMORY_EVERY = 8
 """Steps between memory reads: a high-water mark (host peak RSS, CUDA allocator max) only grows, and reading
@@ -47,6 +59,28 @@ def skipped_untrained(marks: list[int], losses: list[Any]) -> bool:
     loss is not finite on one of them, the others' losses are finite, so with more ranks a step may not end
     on it (the ranks would end steps apart); at the run's end they decide together (`skipped_at_end`)."""
     return _FORWARD_END in marks and _BACKWARD_END not in marks and _any_nonfinite(losses)
+
+
+def cut_epilogue(marks: list[int], stamps: list[Any]) -> int:
+    """At the run's end, cut from the open step what the loop did after its last step: the marks after the
+    step's own last work (an optimizer step or a backward; a skipped step's forward) that are collectives or
+    forwards only. A loop that `break`s at its step limit does so after the optimizer step, and no fetch
+    comes to close the step: an evaluation's `gather_for_metrics`, a `wait_for_everyone()` before saving,
+    mark into it, and closed at its last mark it would run to the last of them (the time between too: a
+    stall of the last step). Between epochs the loader's end pauses the same work. A collective of the loop's
+    own after the last optimizer step (a logged metric's all-reduce) goes with them: one step's wait, never
+    a step's own work. Returns the forwards cut (micro-batches that were not the step's)."""
+    own = len(marks) - 1
+    while own >= 0 and marks[own] not in (_OPTIMIZER_END, _BACKWARD_END):
+        own -= 1
+    if own < 0 and _FORWARD_END in marks:
+        own = len(marks) - 1 - marks[::-1].index(_FORWARD_END)
+    end = len(marks)
+    while own >= 0 and end - 1 > own and marks[end - 1] in _EPILOGUE:
+        end -= 1
+    forwards = marks[end:].count(_FORWARD_END)
+    del marks[end:], stamps[end:]
+    return forwards
 
 
 def host_peak_rss() -> float:
@@ -328,15 +362,16 @@ class StepRecorder:
         return self._as_closed(self.steps_done + 1, [*marks[:n], _STEP_END], [*stamps[:n], stamps[n - 1]])
 
     def close(self, keep_skipped: bool = False) -> None:
-        """End of training: close the open step at its last mark if an optimizer step happened in it (not what
-        came after, as evaluation after a `break`; none watched: if it did work) or, `keep_skipped`, if it ran a
-        forward or logged a loss (`skipped_at_end` on some rank); else drop it, but count its syncs and micro."""
+        """End of training: close the open step at its own last work (`cut_epilogue`) if an optimizer step came
+        in it (none watched: if it did work) or, `keep_skipped`, if it ran a forward or logged a loss
+        (`skipped_at_end` on some rank); else drop it, but count its syncs and micro."""
         kept = keep_skipped and self.in_step and did_work(self._marks, self._losses)
         if kept and not self._stepped:
             if _BACKWARD_END not in self._marks:
                 self._step_micro = 0  # none of its batches trained
             self._stepped = True
         if self._stepped or (self.iteration_steps and self.in_step and self._ends_unstepped()):
+            self._step_micro = max(0, self._step_micro - cut_epilogue(self._marks, self._stamps))
             self._close_step(at_last_mark=True)
         elif self.in_step:
             self.grad_syncs += self._step_syncs

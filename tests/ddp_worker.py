@@ -130,6 +130,8 @@ def _main(rank: int, world: int, port: int, o: dict[str, Any]) -> None:
             spin(3600e3)
     if rank == 0 and o.get("late_finish_ms"):  # e.g. a final evaluation on rank 0 only
         spin(o["late_finish_ms"])
+    if o.get("barrier_at_end"):  # every rank waits for it before saving (accelerator.wait_for_everyone())
+        dist.barrier()
     scope.finish()
     # The scope's own gloo group is gone with its last reference: its threads are not left for the
     # interpreter's shutdown.

@@ -131,7 +131,9 @@ def test_a_plain_loops_own_barrier_is_comm(tmp_path):
             time.sleep(0.02)
     scope.finish()
     comm = load_run(tmp_path).arrays.comm_ms[:, 0]
-    assert (comm >= 15.0).all(), comm
+    # (The last step's, after its optimizer step, with no step after it, reads as the loop's epilogue: an
+    # evaluation's gathered metric, a barrier before saving. Not the step's, as `recorder.cut_epilogue` says.)
+    assert (comm[:-1] >= 15.0).all() and comm[-1] < 15.0, comm
 
 
 def test_the_loops_own_torch_collectives_are_waits_while_the_scope_records(tmp_path, one_rank_group):

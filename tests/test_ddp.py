@@ -277,6 +277,15 @@ def test_a_rank_arriving_at_finish_after_the_others_gave_up_keeps_its_steps_and_
     assert (tmp_path / "summary.json").exists()
 
 
+def test_a_wait_for_every_rank_after_the_loop_is_no_stall_of_the_last_step(tmp_path):
+    # Rank 0 evaluates alone after the last step, then every rank meets at a barrier before saving: no step
+    # was slow. The barrier marked into the last step, which no loop top closed, ran on to its end.
+    ddp_worker.run(2, dict(run_dir=str(tmp_path), steps=40, late_finish_ms=1500.0, barrier_at_end=True))
+    run = load_run(tmp_path)
+    assert run.arrays.n_steps == 40 and run.arrays.wall_ms[-1].max() < 500, run.arrays.wall_ms[-1]
+    assert "TIMING.STALL" not in codes(report(tmp_path), ("HIGH", "MED", "LOW"))
+
+
 def test_sigterm_from_the_launcher_keeps_every_ranks_steps(tmp_path):
     # SIGTERM on rank 1 at step 35: it writes its ungathered steps, then dies as before; rank 0 is then ended
     # by the launcher (here torch.multiprocessing, with SIGTERM too).

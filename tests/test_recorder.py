@@ -108,6 +108,73 @@ def test_the_last_step_ends_at_its_last_mark_not_when_training_is_ended():
     assert wall[1] == wall[0] - 1.0  # (the first also holds the stamp of the loop top that closed it)
 
 
+def slow_mark(clock, mark, which, ms):
+    """`mark(which)` stamped `ms` after the mark before it (the clock then goes on a millisecond a mark)."""
+    clock.step_ns = int(ms * 1e6)
+    mark(which)
+    clock.step_ns = 1_000_000
+
+
+def test_collectives_and_forwards_after_the_last_optimizer_step_are_not_the_steps():
+    # A loop that breaks at its step limit: no fetch closes its last step. An evaluation whose metric is
+    # gathered (here its forward in training mode, too) and a barrier before saving mark before finish(); the
+    # step closed at its last mark ran to the last of them (under Accelerate, a stall of the last step).
+    clock = FakeClock()
+    rec = StepRecorder(clock=clock)
+    for _ in range(2):
+        micro_batch(rec)
+        rec.mark(Mark.OPTIMIZER_BEGIN)
+        rec.optimizer_stepped()
+    clock.step_ns = 500_000_000  # each mark after the loop half a second after the one before
+    for _ in range(3):
+        rec.mark(Mark.FORWARD_BEGIN)
+        rec.forward_ended(0.0)  # (a batch's samples count at its first forward: the hooks give 0 after)
+        rec.mark(Mark.LOOP_COMM_BEGIN)  # gather_for_metrics
+        rec.mark(Mark.LOOP_COMM_END)
+    rec.mark(Mark.LOOP_COMM_BEGIN)  # wait_for_everyone()
+    rec.mark(Mark.LOOP_COMM_END)
+    rec.close()
+    rows = rec.drain(0, 0, 0.0)
+    assert rows[1, COL["wall_ms"]] == rows[0, COL["wall_ms"]] - 1.0  # (as a step left with nothing after)
+    assert rows[1, COL["loop_comm_ms"]] == 0 and rows[1, COL["other_ms"]] == rows[0, COL["other_ms"]] - 1.0
+    assert rows[1, COL["micro_batches"]] == 1 and rows[1, COL["samples"]] == 8
+    assert rec.micro_batches == 2
+
+
+def test_the_last_steps_own_slow_work_stays_in_it_when_collectives_follow():
+    clock = FakeClock()
+    rec = StepRecorder(clock=clock)
+    micro_batch(rec)
+    rec.mark(Mark.LOOP_COMM_BEGIN)  # a metric's all-reduce before the optimizer step: 400 ms
+    slow_mark(clock, rec.mark, Mark.LOOP_COMM_END, 400)
+    rec.mark(Mark.OPTIMIZER_BEGIN)
+    slow_mark(clock, lambda _: rec.optimizer_stepped(), Mark.OPTIMIZER_END, 400)  # a 400 ms optimizer step
+    rec.mark(Mark.PAUSE_BEGIN)  # a checkpoint saved in the step, paused: 300 ms
+    slow_mark(clock, rec.mark, Mark.PAUSE_END, 300)
+    clock.step_ns = 2_000_000_000
+    rec.mark(Mark.LOOP_COMM_BEGIN)  # after the loop, two seconds later: a barrier
+    rec.mark(Mark.LOOP_COMM_END)
+    rec.close()
+    (row,) = rec.drain(0, 0, 0.0)
+    assert row[COL["optimizer_ms"]] == 400 and row[COL["loop_comm_ms"]] == 400
+    assert row[COL["excluded_ms"]] == 300 and row[COL["wall_ms"]] == 809  # (and 9 intervals of 1 ms)
+
+    # A step whose batch a NaN guard skipped, kept at the run's end: it ends at its forward.
+    clock.step_ns = 1_000_000
+    rec = StepRecorder(clock=clock)
+    rec.loop_top(Mark.DATA_BEGIN)
+    rec.mark(Mark.DATA_END)
+    rec.mark(Mark.FORWARD_BEGIN)
+    rec.forward_ended(8.0)
+    rec.set_loss(math.nan)
+    clock.step_ns = 1_000_000_000
+    rec.mark(Mark.LOOP_COMM_BEGIN)
+    rec.mark(Mark.LOOP_COMM_END)
+    rec.close(keep_skipped=True)
+    (row,) = rec.drain(0, 0, 0.0)
+    assert row[COL["wall_ms"]] == 3 and row[COL["forward_ms"]] == 1
+
+
 def test_a_steps_loss_is_its_micro_batches_mean_and_a_nan_or_inf_one_is_never_averaged_away():
     import torch
 

@@ -139,6 +139,55 @@ def test_evaluation_between_epochs_is_not_charged_to_a_step(tmp_path):
     assert arrays.wall_ms[30, 0] - arrays.excluded_ms[30, 0] < 25
 
 
+class SkewedClock:
+    """The host clock, and seconds that pass where the test says so, at no cost."""
+
+    def __init__(self):
+        self.skew_ns = 0
+
+    def now(self):
+        return time.perf_counter_ns() + self.skew_ns
+
+    @staticmethod
+    def to_ms(stamps):
+        return [s / 1e6 for s in stamps]
+
+
+def test_work_after_a_loop_left_at_its_step_limit_is_not_the_last_steps(tmp_path, one_rank_group):
+    # Accelerate's usual ending: `break` at max_train_steps, an evaluation whose metric is gathered, a wait for
+    # every rank, a save. No fetch comes to close the last step, and each collective marked into it: closed at
+    # its last mark, it ran on to the barrier, a stall on every rank.
+    import torch.distributed as dist
+
+    clock = SkewedClock()
+    model = torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    loader = DataLoader(TensorDataset(torch.randn(320, 8), torch.randn(320, 1)), batch_size=16)
+    scope = Scope(tmp_path, console=False, hang_timeout=None, interval=5).watch(model, opt, loader)
+    scope.recorder.use_clock(clock, lambda: 0.0)
+    for step, (xb, yb) in enumerate(loader, 1):
+        torch.nn.functional.mse_loss(model(xb), yb).backward()
+        opt.step()
+        opt.zero_grad()
+        dist.all_reduce(torch.ones(1))  # a metric logged in every step, the last one's too
+        if step == 12:
+            break
+    clock.skew_ns += 10**10
+    model(xb)  # a held-out batch's loss, in training mode and with gradients
+    model.eval()
+    with torch.no_grad():
+        for xb in torch.randn(3, 16, 8):
+            clock.skew_ns += 10**10  # ten seconds of evaluation a batch
+            dist.all_reduce(model(xb).sum())  # its metric gathered
+    clock.skew_ns += 10**10
+    dist.barrier()  # before saving
+    scope.finish()
+    arrays = load_run(tmp_path).arrays
+    assert arrays.n_steps == 12 and arrays.wall_ms.max() < 5_000 and arrays.loop_comm_ms[-1, 0] == 0
+    assert (arrays.micro_batches == 1).all()
+    assert arrays.loop_comm_ms[:-1, 0].min() > 0  # (the loop's collectives are timed: it is not untested)
+
+
 def test_resume_from_state_dict_continues_the_run(tmp_path):
     scope, _, _ = train(tmp_path, epochs=1, steps_per_epoch=30)
     state = scope.state_dict()
