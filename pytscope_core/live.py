@@ -34,6 +34,7 @@ from .output import say
 from .records import COL, NCOLS
 from .reporter import RunReporter
 from .rundir import iter_rows, run_columns, run_world, sound_rows
+from .said import SaidFindings
 
 if TYPE_CHECKING:
     from .analysis import RunAnalysis
@@ -90,8 +91,7 @@ class LiveDiagnosis:
         # The step from which a diagnosis has the steps timing findings need above LOW: due then, whatever its
         # budget says, so that a finding capped at LOW in the first diagnosis is said at its severity.
         self._full_at: int | None = None
-        self._reported: dict[tuple[str, tuple[int, ...]], Severity] = {}
-        self._diagnosed: dict[tuple[str, tuple[int, ...]], Finding] = {}  # the last diagnosis's findings said
+        self._said = SaidFindings()  # the console's word on each finding
         self._cost_s = 0.0
         self._at = clock()
         self._lock = threading.RLock()
@@ -153,8 +153,14 @@ class LiveDiagnosis:
         reads them back), printed and stored."""
         with self._lock:
             self.extra_findings = [f for f in self.extra_findings if f.key != finding.key] + [finding]
-            self._reported[finding.key] = finding.severity
+            self._said.said(finding)
             self.reporter.findings([finding], step, source="integration")
+
+    def standing(self) -> list[Finding]:
+        """The live diagnosis's HIGH and MED findings still standing on the console: the end-of-run summary says
+        those it no longer makes are gone."""
+        with self._lock:
+            return self._said.still_standing()
 
     def hang(self, finding: Finding, step: int) -> None:
         """Called from the watchdog thread."""
@@ -222,21 +228,15 @@ class LiveDiagnosis:
             self._full_at = step + missing if missing > 0 and self.diagnoses == 0 else None  # (once)
             self.diagnoses += 1
             self.findings = with_predicted(findings, self.extra_findings)
-            # A HIGH or MED finding the diagnosis no longer makes is said to be gone (a stale alarm must not
-            # stand on the console) and forgotten: said again if it comes back. (LOW ones stay remembered: a
-            # hint near its threshold would be said at every other diagnosis.)
-            now = {f.key for f in findings}
-            gone = [f for key, f in self._diagnosed.items() if key not in now and f.severity >= Severity.MED]
-            for f in gone:
-                self._reported.pop(f.key, None)
-            fresh = [f for f in self.findings if self._reported.get(f.key, Severity.LOW - 1) < f.severity]
-            for f in fresh:
-                self._reported[f.key] = f.severity
-            self._diagnosed = {f.key: f for f in findings}
-            if fresh:
-                self.reporter.findings(fresh, step)
-            if gone:
-                self.reporter.cleared(gone, step)
+            # New or worse findings, those whose ranks changed, and alarms the diagnosis no longer makes (a stale
+            # alarm must not stand on the console): each said once.
+            word = self._said.diagnosed(findings, self.findings)
+            if word.fresh:
+                self.reporter.findings(word.fresh, step)
+            if word.updated:
+                self.reporter.findings(word.updated, step, updated=True)
+            if word.gone:
+                self.reporter.cleared(word.gone, step)
         if self.metrics_sink is not None:
             values = metrics(analysis, self.findings)
             with self._lock:

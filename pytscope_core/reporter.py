@@ -11,7 +11,7 @@ import dataclasses
 import os
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,7 @@ from .findings import Finding, Severity
 from .output import show
 from .parallelism import comm_note
 from .rundir import RunWriter
+from .said import same_findings
 
 
 class RunReporter:
@@ -51,24 +52,32 @@ class RunReporter:
     def rows(self, rows: np.ndarray) -> None:
         self.writer.append_rows(rows)
 
-    def findings(self, findings: Iterable[Finding], step: int, source: str = "diagnosis") -> None:
+    def findings(
+        self, findings: Iterable[Finding], step: int, source: str = "diagnosis", updated: bool = False
+    ) -> None:
+        """Findings said live; `updated`: findings said before, said again as they are now (their ranks
+        changed)."""
         findings = list(findings)
         for f in findings:
-            self.writer.event("finding", step=step, source=source, finding=f.to_dict())
+            extra = {"updated": True} if updated else {}
+            self.writer.event("finding", step=step, source=source, finding=f.to_dict(), **extra)
         if self.console is not None and findings:
             from .render import render_findings
 
-            self._print(f"[bold]pytscope[/] step {step}:", render_findings(findings))
+            head = f"[bold]pytscope[/] step {step}" + (", updated:" if updated else ":")
+            self._print(head, render_findings(findings))
 
-    def cleared(self, findings: list[Finding], step: int) -> None:
-        """Findings said live that the latest diagnosis no longer makes."""
-        self.writer.event("cleared", step=step, findings=[f.key[0] for f in findings])
+    def cleared(self, findings: list[Finding], step: int, summary: bool = False) -> None:
+        """Findings said live that the latest diagnosis no longer makes (`summary`: the end-of-run one)."""
+        extra = {"summary": True} if summary else {}
+        self.writer.event("cleared", step=step, findings=[f.key[0] for f in findings], **extra)
         if self.console is not None:
             from rich.markup import escape
 
+            where = f"step {step}" + (", run summary" if summary else "")
             self._print(
                 *(
-                    f"[bold]pytscope[/] step {step}: no longer found: {escape(f.title)} ({f.code})"
+                    f"[bold]pytscope[/] {where}: no longer found: {escape(f.title)} ({f.code})"
                     for f in findings
                 )
             )
@@ -97,8 +106,11 @@ class RunReporter:
     def cost(self, **fields: Any) -> None:
         self.writer.event("scope_cost", **fields)
 
-    def summary(self) -> Any:
-        """Re-read the whole run (every segment and every rank's file) and write and print its summary."""
+    def summary(self, standing: Sequence[Finding] = ()) -> Any:
+        """Re-read the whole run (every segment and every rank's file) and write and print its summary.
+        `standing`: the live diagnosis's alarms still standing on the console; those the summary no longer
+        makes are said to be gone first, as a live diagnosis says them, so that the console's last word on a
+        finding is the summary's."""
         from rich.console import Console
         from rich.markup import escape
 
@@ -110,6 +122,10 @@ class RunReporter:
         # This is the run's end (the summary is written below): it has ended.
         ended = dataclasses.replace(run.context, ended=True)
         summary = summarize(run.arrays, ended, extra_findings=tuple(run.extra_findings))
+        same = same_findings(standing, summary.findings)
+        gone = [f for f in standing if f.key not in same]
+        if gone:
+            self.cleared(gone, summary.run.last_step or 0, summary=True)
         with open(os.devnull, "w") as devnull:
             text = Console(record=True, width=110, file=devnull, color_system=None)
             text.print(render_summary(summary))

@@ -322,7 +322,7 @@ class RunSession:
             group_create_ms=gatherer.create_ms if gatherer is not None else None,
             bytes_received=_quantiles([float(r) for _, r in self.traffic]),  # rank 0's, per gather
         )
-        summary = self.reporter.summary()
+        summary = self.reporter.summary(self.live.standing())
         sink = self.scope.metrics_sink
         if sink is not None:  # the end-of-run numbers too; a logger failing at the end must not cost them
             from .live import metrics
