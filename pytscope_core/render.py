@@ -110,6 +110,12 @@ def render_run(summary: Summary) -> RenderableType:
         table.add_row("", Text(f"... and {more} more ranks' own records, with why (run.rank_ends in --json)"))
     if not r.ended:
         table.add_row("end", Text(_no_summary(summary)))
+    if r.steps == 0:  # (a run whose first gather has not come: no time is known yet)
+        table.add_row("elapsed", "n/a")
+        table.add_row("goodput", "n/a")
+        if r.device:
+            table.add_row("device", Text(r.device))
+        return Group(_section("Run summary"), table)
     table.add_row("elapsed", _num(g.elapsed_s, ".1f", " s"))
     goodput = "n/a" if not math.isfinite(g.goodput) else f"{100 * g.goodput:.1f}%"
     lost = [
@@ -161,7 +167,9 @@ def render_timing(summary: Summary) -> RenderableType:
     t = summary.timing
     note = few_steps_note(t.steps_counted)
     head = Text(
-        f"step time: median {_num(t.median_ms)} ms, p95 {_num(t.p95_ms)} ms over {t.steps_counted} steps"
+        f"step time: {_no_steps(summary)}"
+        if summary.run.steps == 0
+        else f"step time: median {_num(t.median_ms)} ms, p95 {_num(t.p95_ms)} ms over {t.steps_counted} steps"
         + (f" ({note})" if note else "")
     )
     table = Table(box=None, show_header=True, pad_edge=False)
@@ -170,9 +178,13 @@ def render_timing(summary: Summary) -> RenderableType:
     table.add_column("median ms", justify="right")
     table.add_column("")
     pcts = percentages([p.share for p in t.phases])
+    timed = _any_time([p.share for p in t.phases])
     for p, pct in zip(t.phases, pcts, strict=False):
         if p.name == "comm" and not summary.run.comm_measured:
             table.add_row(p.name, "not measured", "", "")
+            continue
+        if not timed:  # shares of no time at all: not known (0.0% each would not add up to 100)
+            table.add_row(p.name, "n/a", _num(p.median_ms), "")
             continue
         bar = "█" * round(pct / 100 * BAR_WIDTH)
         table.add_row(p.name, f"{pct:.1f}%", _num(p.median_ms), bar)
@@ -190,6 +202,8 @@ def render_convergence(summary: Summary) -> RenderableType:
             else f" ({100 * c.trend.relative_change:+.1f}%, t = {c.trend.t:.1f}"
             + ("; a fall within the noise: more steps will tell)" if c.trend.trend == "unclear" else ")")
             if math.isfinite(c.trend.t)
+            else f" ({_no_steps(summary, why=True)})"
+            if summary.run.steps == 0
             else " (no loss was logged: pass it to scope.log(loss=...); under Lightning, return it from training_step)"
             if c.trend.trend == "unknown" and not math.isfinite(c.first_loss) and c.nonfinite_step is None
             else f" ({c.trend.finite_steps} finite losses past warm-up; a trend needs {TREND_MIN_STEPS})"
@@ -243,6 +257,8 @@ def render_distributed(summary: Summary) -> RenderableType:
     d = summary.distributed
     if summary.run.world_size < 2:
         return Group(_section("Distributed"), Text("one rank: nothing to compare"))
+    if summary.run.steps == 0:
+        return Group(_section("Distributed"), Text(_no_steps(summary)))
     if len(d.per_rank) < 2:
         return Group(_section("Distributed"), Text("one rank's step records: nothing to compare"))
     if not d.comm_measured:
@@ -322,16 +338,38 @@ def render_efficiency(summary: Summary) -> RenderableType:
     table.add_column("share", justify="right")
     table.add_column("ms/step", justify="right")
     table.add_column("recoverable")
+    timed = _any_time([x.share for x in e.budget if x.measured])
     for line, pct in zip(e.budget, percentages([x.share for x in e.budget]), strict=False):
         if not line.measured:
             table.add_row(line.name, "not measured", "", "")
             continue
+        if not timed:
+            table.add_row(line.name, "n/a", "n/a", "yes" if line.recoverable else "")
+            continue
         table.add_row(line.name, f"{pct:.1f}%", _num(line.ms_per_step), "yes" if line.recoverable else "")
     mfu = "n/a" if e.mfu is None else f"{100 * e.mfu:.1f}%"
+    recoverable = f"{100 * e.recoverable_share:.1f}%" if timed else "n/a"
     return Group(
         _section("Efficiency budget"),
         table,
-        Text(f"recoverable {100 * e.recoverable_share:.1f}% of wall; MFU {mfu}"),
+        Text(f"recoverable {recoverable} of wall; MFU {mfu}"),
+    )
+
+
+def _any_time(shares: Sequence[float]) -> bool:
+    """Whether a breakdown has any time to share out: without it (no step recorded yet) its shares are not
+    0% each, they are not known."""
+    return any(math.isfinite(x) and x > 0 for x in shares)
+
+
+def _no_steps(summary: Summary, why: bool = False) -> str:
+    """What a report of no step records says of the steps' times and losses: a running job's first gather
+    has not come (`why`: each gather writes every rank's steps, their losses with them), not that nothing was
+    timed or logged."""
+    if summary.run.ended:
+        return "no step was recorded"
+    return "no step records yet" + (
+        ": each gather, every `interval` steps, writes them with their losses" if why else ""
     )
 
 

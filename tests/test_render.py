@@ -181,3 +181,19 @@ def test_a_job_relaunched_many_times_on_other_ranks_lists_its_first_and_last_lau
     text = " ".join(text_of(render_summary(summarize(loaded.arrays, loaded.context))).split())
     assert "4 (steps 1-20), then 2 (steps 21-40)" in text
     assert "... 34 more launches ..." in text and "(steps 781-800)" in text
+
+
+def test_a_report_before_the_first_gather_says_so_not_that_no_loss_was_logged():
+    # A running job polled before its first gather read "no loss was logged: pass it to scope.log(loss=...)",
+    # elapsed 0.0 s, and 0.0% for every phase and budget line (shares that add up to nothing).
+    empty = RunArrays.from_arrays(np.zeros((0, 2, 6)), loss=np.zeros(0))
+    out = " ".join(text_of(render_summary(summarize(empty, RunContext(world_size=2, ended=False)))).split())
+    assert "no loss was logged" not in out and "0.0%" not in out and "elapsed 0.0 s" not in out
+    assert "trend: unknown (no step records yet: each gather, every `interval` steps, writes them" in out
+    assert "step time: no step records yet" in out and "elapsed n/a goodput n/a" in out
+    assert "forward n/a n/a" in out and "useful compute n/a n/a" in out and "recoverable n/a of wall" in out
+    ended = text_of(render_summary(summarize(empty, RunContext(world_size=2))))
+    assert "trend: unknown (no step was recorded)" in ended
+    # A run with steps and no loss logged is still told how to log it.
+    unlogged = text_of(render_summary(summarize(run(loss=np.full(300, np.nan)), RunContext(world_size=4))))
+    assert "no loss was logged: pass it to scope.log(loss=...)" in " ".join(unlogged.split())
