@@ -134,7 +134,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     console.print(
         f"[bold]pytscope demo[/]: {args.ranks} CPU processes (gloo, DDP), scenario [bold]{args.scenario}[/]"
     )
-    path = run_demo(args.scenario, ranks=args.ranks, steps=args.steps, run_dir=path)
+    path = run_demo(args.scenario, ranks=args.ranks, steps=args.steps, run_dir=path, placed=True)
     if args.scenario == "hang":  # the ranks were ended before they could print the summary
         from .render import render_summary
         from .rundir import load_run

@@ -22,7 +22,7 @@ import numpy as np
 from .gather import Exchange, header_row, syncs_per_step
 from .placement import Placement, local_place
 from .recorder import StepRecorder
-from .rundir import next_segment
+from .rundir import claim_run_dir, next_segment
 
 STORE_PREFIX = "pytscope"
 RESTART_ENV = "TORCHELASTIC_RESTART_COUNT"  # set by torchrun for its workers: which launch of the job this is
@@ -285,27 +285,42 @@ def place_run(run_dir: Path | None, segment: int) -> tuple[Path, int]:
     return path, max(segment, next_segment(path)) if segment > 0 else 0
 
 
-def run_directory_for(run_dir: Path | None, resumed: bool) -> Path:
+def run_directory_for(
+    run_dir: Path | None, resumed: bool, take: Callable[[Path], bool] = claim_run_dir
+) -> Path:
     """Where a run goes: `run_dir`, or `runs/<date-time>` (absolute: a resume from another working directory
-    finds it in the saved state). A new run never joins an earlier one: when `run_dir` already holds a run
-    and this one is not its resume (no saved state was loaded), it goes to `run_dir-2` (-3 ...) and says so."""
+    finds it in the saved state). A new run never joins another: when `run_dir` already holds a run (one
+    that claimed it first, if only by a moment) and this one is not its resume (no saved state was
+    loaded), it goes to `run_dir-2` (-3 ...) and says so. `take` claims a directory for the run, or says
+    that one has taken it (False): `claim_run_dir`, an exclusive create, so of two jobs started at once
+    exactly one takes a name."""
     if run_dir is None:
-        return _unused(Path("runs").absolute() / time.strftime("%Y%m%d-%H%M%S"))
-    if resumed or not (run_dir / "meta.json").exists():
+        return _first_claimed(Path("runs").absolute() / time.strftime("%Y%m%d-%H%M%S"), take)
+    if resumed:
         return run_dir
-    path = _unused(run_dir)
-    print(
-        f"pytscope: {run_dir} holds an earlier run and this one is not its resume (no saved scope state was "
-        f"loaded): writing to {path}",
-        file=sys.stderr,
-        flush=True,
-    )
+    path = _first_claimed(run_dir, take)
+    if path != run_dir:
+        print(
+            f"pytscope: {run_dir} holds an earlier run and this one is not its resume (no saved scope state was "
+            f"loaded): writing to {path}",
+            file=sys.stderr,
+            flush=True,
+        )
     return path
 
 
-def _unused(base: Path) -> Path:
-    path, n = base, 1
-    while path.exists():
+def _first_claimed(base: Path, take: Callable[[Path], bool]) -> Path:
+    """`base`, or the first of `base-2`, `base-3` ... that `take` takes. A path without a name of its own
+    ("." or "..", a folder's `x/..`, the root) numbers the folder it stands for, made absolute first (the
+    current folder's run goes beside it, not into `.-2`); the root's numbered ones go inside it."""
+    if take(base):
+        return base
+    named = Path(os.path.abspath(base)) if base.name in ("", "..") else base
+    n = 2
+    while not take(path := _numbered(named, n)):
         n += 1
-        path = base.with_name(f"{base.name}-{n}")
     return path
+
+
+def _numbered(base: Path, n: int) -> Path:
+    return base.with_name(f"{base.name}-{n}") if base.name else base / f"run-{n}"

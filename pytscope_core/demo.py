@@ -46,13 +46,14 @@ def run_demo(
     run_dir: str | os.PathLike[str] | None = None,
     interval: int = 50,
     console: bool = True,
+    placed: bool = False,
 ) -> Path:
     """Spawn `ranks` processes, train `steps` steps with the fault, and return the run directory
-    (`demo_run_dir`)."""
+    (`demo_run_dir`; `placed`: `run_dir` is its choice already, made and claimed for this job)."""
     import torch.multiprocessing as mp
 
     check_demo(scenario, ranks, steps)
-    path = demo_run_dir(scenario, run_dir)
+    path = Path(run_dir) if placed and run_dir is not None else demo_run_dir(scenario, run_dir)
     options = dict(scenario=scenario, steps=steps, run_dir=str(path), interval=interval, console=console)
     # The hang scenario ends in the abort it shows: torch's warning that it ends the ranks still running is noise.
     spawn_log = logging.getLogger("torch.multiprocessing.spawn")
@@ -91,7 +92,8 @@ def check_demo(scenario: str, ranks: int, steps: int) -> None:
 
 def demo_run_dir(scenario: str, run_dir: str | os.PathLike[str] | None) -> Path:
     """Where the demo's run goes, made before the job starts (OSError when it cannot be): `run_dir` (default
-    runs/demo-<scenario>-<time>), or `run_dir-2` (-3 ...) when it holds an earlier run, as a Scope would choose."""
+    runs/demo-<scenario>-<time>), or `run_dir-2` (-3 ...) when it holds an earlier run, as a Scope would choose;
+    claimed, and handed over to the job's rank 0 (`hand_over_claim`)."""
     from .coordinator import run_directory_for
 
     default = Path("runs") / f"demo-{scenario}-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -106,6 +108,7 @@ def _worker(rank: int, world: int, port: int, options: dict[str, Any]) -> None:
     import torch.nn.functional as F
 
     from .output import PipeSafeStdout
+    from .rundir import hand_over_claim
     from .scope import Scope
 
     if sys.stdout is not None:  # rank 0 prints to the demo's reader, who may stop reading (| head)
@@ -114,6 +117,7 @@ def _worker(rank: int, world: int, port: int, options: dict[str, Any]) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     scenario, steps = options["scenario"], options["steps"]
+    hand_over_claim(options["run_dir"])
     try:
         model, loader = _job(rank, steps, input_spin_ms=INPUT_SPIN_MS if scenario == "input" else 0.0)
         ddp = torch.nn.parallel.DistributedDataParallel(model)

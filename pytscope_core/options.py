@@ -79,6 +79,12 @@ class ScopeOptions:
     )
 
     def __post_init__(self) -> None:
+        # Path("") is the current folder: a run_dir left empty by mistake would write the run into it.
+        if self.run_dir is not None and not os.fspath(self.run_dir).strip():
+            raise ValueError(
+                f"run_dir must not be empty, not {self.run_dir!r}: it would mean the current folder (name a "
+                'folder, "." for the current one, or None for runs/<timestamp>)'
+            )
         if isinstance(self.interval, bool) or not isinstance(self.interval, int) or self.interval < 1:
             raise ValueError(f"interval must be an integer >= 1, not {self.interval!r}")
         if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:

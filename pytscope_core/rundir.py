@@ -1,6 +1,7 @@
 """The run directory: what rank 0 writes while training, and the tolerant reader behind every command.
 
 Layout (all plain data, append-only while training):
+  claim          empty: made exclusively by the run that took the directory (`claim_run_dir`)
   meta.json      settings and environment, written once when the run starts (atomically)
   steps.f64      step records: raw little-endian float64 rows, `meta.json["columns"]` wide
   events.jsonl   one JSON object per line: segments, counter and replica checks, live findings, hangs, errors
@@ -59,6 +60,34 @@ def _jsonable(value: Any) -> Any:
     if isinstance(value, np.generic):  # numpy's scalars (a float, an int, a bool) as Python's
         return _jsonable(value.item())
     return value
+
+
+CLAIM = "claim"
+_HANDED_OVER: set[str] = set()  # folders this process's launcher claimed for it (`hand_over_claim`)
+
+
+def hand_over_claim(path: str | os.PathLike[str]) -> None:
+    """Let this process's run take `path`, which the launcher that started it claimed for it (the demo claims
+    its folder before its workers exist, to fail early and to name it)."""
+    _HANDED_OVER.add(os.path.abspath(path))
+
+
+def claim_run_dir(path: Path) -> bool:
+    """Take `path` for a new run, unless a run has taken it (False). The claim is an exclusive create, so of
+    two jobs started at once with one run directory exactly one takes it (a check for `meta.json`, which the
+    writer makes later, let both take it, and one's records were lost). A folder that
+    cannot be made or claimed (no permission, a file of that name) is left to the writer, which says why on
+    every rank; failing here, on rank 0 alone, would leave the others waiting for it."""
+    if (path / "meta.json").exists():
+        return False
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        os.close(os.open(path / CLAIM, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+    except FileExistsError:  # taken (unless for this process); or a file named `path`, which the writer names
+        return os.path.abspath(path) in _HANDED_OVER or not path.is_dir()
+    except OSError:
+        return True
+    return True
 
 
 class RunWriter:
@@ -443,7 +472,7 @@ def _with_earlier_places(meta: dict[str, Any], fields: dict[str, Any]) -> dict[s
     return out
 
 
-RUN_FILES = ("meta.json", "steps.f64", "events.jsonl", "scalars.jsonl", "summary.json", "summary.txt")
+RUN_FILES = (CLAIM, "meta.json", "steps.f64", "events.jsonl", "scalars.jsonl", "summary.json", "summary.txt")
 RUN_FOLDERS = ("ranks", "stacks")
 
 

@@ -3,6 +3,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -717,3 +718,46 @@ def test_numpy_booleans_are_written_as_json_booleans():
     value = {"flag": np.bool_(True), "n": [np.int64(3), np.float32(0.5)]}
     assert json.loads(json.dumps(_jsonable(value))) == {"flag": True, "n": [3, 0.5]}
     assert _plain(value) == {"flag": True, "n": [3, 0.5]}
+
+
+def test_two_new_runs_that_choose_one_run_dir_at_once_take_two(tmp_path, monkeypatch):
+    # Two jobs started at once: both chose their run directory before either wrote anything into it. Both
+    # took the same one (a meta.json check, the write later) and one job's records were lost; the claim is
+    # an exclusive create, so the second takes the next name, for a given run_dir and for the default.
+    from pytscope_core.coordinator import run_directory_for
+
+    run = tmp_path / "exp1"
+    assert run_directory_for(run, resumed=False) == run
+    assert run_directory_for(run, resumed=False) == tmp_path / "exp1-2"
+    assert run_directory_for(run, resumed=True) == run  # a resume continues its own run
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("time.strftime", lambda fmt: "20260101-120000")  # the same second, as it often is
+    first, second = (run_directory_for(None, resumed=False) for _ in range(2))
+    assert (first, second) == (tmp_path / "runs" / "20260101-120000", tmp_path / "runs" / "20260101-120000-2")
+
+
+def test_a_run_dir_is_taken_once_by_its_claim_or_an_earlier_versions_meta(tmp_path):
+    from pytscope_core.rundir import claim_run_dir, hand_over_claim
+
+    made = tmp_path / "made"  # a folder made for the run, still without one: the run takes it
+    made.mkdir()
+    assert claim_run_dir(made) and not claim_run_dir(made)
+    RunWriter(tmp_path / "old", {"world_size": 1}).close()  # a run from before claims: meta.json alone
+    assert not claim_run_dir(tmp_path / "old")
+    hand_over_claim(made)  # the demo claims its folder, then its job's rank 0 takes it
+    assert claim_run_dir(made)
+
+
+def test_a_run_dir_without_a_name_of_its_own_numbers_the_folder_it_stands_for(tmp_path, monkeypatch):
+    # "." holding a run: the next one goes beside the current folder ("<folder>-2"; it was an internal error,
+    # PosixPath('.') has an empty name, that disabled the scope); the root's go inside it.
+    from pytscope_core.coordinator import run_directory_for
+
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    RunWriter(".", {"world_size": 1}).close()
+    assert run_directory_for(Path("."), resumed=False) == tmp_path / "work-2"
+    beside = tmp_path.with_name(f"{tmp_path.name}-2")  # "..": the folder above the current one
+    assert run_directory_for(Path(".."), resumed=False, take=lambda p: p == beside) == beside
+    assert run_directory_for(Path("/"), resumed=False, take=lambda p: p == Path("/run-3")) == Path("/run-3")

@@ -397,6 +397,7 @@ def test_demo_scenarios_find_their_fault(tmp_path, capsys, scenario, code):
         (dict(flops_per_step=0), "flops_per_step"),
         (dict(gather_timeout="soon"), "gather_timeout"),
         (dict(console="no"), "console must be True or False"),
+        (dict(run_dir=""), "run_dir must not be empty, not '': it would mean the current folder"),
     ],
 )
 def test_bad_options_fail_at_construction_with_one_clear_message(options, message):
@@ -711,6 +712,19 @@ def test_a_new_run_into_a_directory_that_holds_a_run_goes_beside_it(tmp_path, ca
     assert "holds an earlier run" in capsys.readouterr().err
     assert load_run(tmp_path / "exp1").arrays.n_steps == 30
     assert load_run(tmp_path / "exp1-2").arrays.n_steps == 20  # (a resume continues in place: above)
+
+
+def test_a_new_run_into_the_current_folder_that_holds_a_run_goes_beside_it(tmp_path, monkeypatch, capsys):
+    # run_dir="." twice: the second run disabled its scope (an internal error: "." has no name to number).
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    train(".", epochs=1, steps_per_epoch=30)[0].finish()
+    scope, _, _ = train(".", epochs=1, steps_per_epoch=20)
+    scope.finish()
+    assert scope.enabled and scope.run_dir == tmp_path / "work-2"
+    assert "internal error" not in capsys.readouterr().err
+    assert load_run(work).arrays.n_steps == 30 and load_run(tmp_path / "work-2").arrays.n_steps == 20
 
 
 def test_each_step_records_how_many_optimizer_steps_it_held(tmp_path):
