@@ -22,8 +22,10 @@ open phase wins), with instance-level hooks only: two forward pre-hooks per unit
 and one after; a tensor hook on the unit's output placed before FSDP's (from a forward hook that runs before
 FSDP's post-forward hook) with a pre-hook on the output's autograd node (node pre-hooks run after every tensor
 hook of that node); a pre- and a post-hook on the `RegisterPostBackwardFunction` node that an appended forward
-pre-hook finds on the unit's inputs. Per unit and step that is three module-hook calls, four hook
-registrations and four hook calls (benchmarks/overhead.py --fsdp measures it).
+pre-hook finds on the unit's inputs. A unit whose output is an inner unit's own (the root of an nn.Sequential of
+sharded blocks) hooks that tensor twice; the two brackets overlap and make one, from the first begin to the
+first end. Per unit and step that is three module-hook calls, four hook registrations and four hook calls
+(benchmarks/overhead.py --fsdp measures it).
 
 What a bracket holds: on CPU/gloo (verified, torch 2.13) the collectives are synchronous, so the collective
 itself, the wait for slower peers, and FSDP's copy-in/copy-out and reshard around it; those copies are local
@@ -78,7 +80,7 @@ class FSDPCommTimer:
         self._handles: list[Any] = []
         self._units: list[Any] = []
         self._groups: list[Any] = []  # every unit's FSDP parameter groups (their `reduce_grads`)
-        self._open = False  # a COMM_BEGIN waits for its COMM_END
+        self._open = False  # a COMM_BEGIN waits for its COMM_END (never two: `_begin`)
 
     def watch(self, units: list[Any]) -> None:
         """Hook every unit (outermost first); FSDP's own hooks must already be registered (`fully_shard`)."""
@@ -190,6 +192,14 @@ class FSDPCommTimer:
             self._on_error(exc)
 
     def _begin(self) -> None:
+        # One bracket at a time. A unit whose output is an inner unit's own (the root of a Sequential of
+        # sharded blocks, a block returning its last sub-unit's output) hooks that tensor a second time: both
+        # begins run before either end (tensor hooks all run before the node's pre-hooks). A second
+        # COMM_BEGIN would leave one wait open past the only COMM_END that closes anything: to the end of a
+        # backward begun before it (all of that backward comm), or else through the optimizer step to the
+        # next loop top. The first end closes the bracket, after every FSDP pre-backward hook on the tensor.
+        if self._open:
+            return
         self._open = True
         self.recorder.mark(_COMM_BEGIN)
 

@@ -5,8 +5,11 @@ on 2 shared cores: about 190 ms per step, of which gloo's all-gathers and reduce
 such a machine, whatever their size) are about 15%. Options change the size (`width`, `batch`, `blocks`,
 `repeat`), add forward work of a fixed wall time on every rank (`work_ms`), and inject one behaviour at a
 time, always by busy-waiting (never sleeping): a slow last rank (`spin_ms`, or `slow_fraction` of the step as
-measured on warm-up steps 2-5), a rank that blocks at one step, gradient accumulation with
-`set_requires_gradient_sync(False)` on all but the last micro-batch; `wrapper="tp"` trains the same model
+measured on warm-up steps 2-5), a last rank slow in backward (`backward_ms`, inside the last block's backward),
+work after each optimizer step on every rank (`after_step_ms`), a rank that blocks at one step, gradient
+accumulation with `set_requires_gradient_sync(False)` on all but the last micro-batch; `head=False` drops the
+output layer, so that the root's output is its last block's (the hook shape of an nn.Sequential of sharded
+blocks); `wrapper="tp"` trains the same model
 tensor-parallel (DTensor), whose communication pytscope does not measure (FSDP1 would do as well, but it needs
 an accelerator).
 """
@@ -34,17 +37,23 @@ def run(world: int, options: dict[str, Any]) -> None:
     forked.start(_main, (world, free_port(), options), world)
 
 
-def make_model(wrapper: str, width: int = WIDTH, n_blocks: int = BLOCKS, repeat: int = REPEAT) -> Any:
+def make_model(
+    wrapper: str,
+    width: int = WIDTH,
+    n_blocks: int = BLOCKS,
+    repeat: int = REPEAT,
+    head: bool = True,
+    backward_ms: float = 0.0,
+) -> Any:
     """Linear(32, width), then `n_blocks` blocks (each applies its own width x width layer `repeat` times: more
-    compute per collective without more parameters to gather), then Linear(width, 4). FSDP2: every block a
-    unit, the whole model the root unit."""
+    compute per collective without more parameters to gather), then Linear(width, 4) (`head`). FSDP2: every
+    block a unit, the whole model the root unit. `backward_ms`: the last block's backward busy-waits that long."""
     import torch
 
     torch.manual_seed(0)
-    blocks = [Block(width, repeat) for _ in range(n_blocks)]
-    model = torch.nn.Sequential(
-        torch.nn.Linear(32, width), torch.nn.ReLU(), *blocks, torch.nn.Linear(width, 4)
-    )
+    blocks = [Block(width, repeat, backward_ms if i == n_blocks - 1 else 0.0) for i in range(n_blocks)]
+    tail = [torch.nn.Linear(width, 4)] if head else []
+    model = torch.nn.Sequential(torch.nn.Linear(32, width), torch.nn.ReLU(), *blocks, *tail)
     if wrapper == "tp":
         return _tensor_parallel(model, n_blocks)
     from torch.distributed.fsdp import fully_shard
@@ -55,15 +64,32 @@ def make_model(wrapper: str, width: int = WIDTH, n_blocks: int = BLOCKS, repeat:
 
 
 class Block(torch.nn.Module):
-    def __init__(self, width: int, repeat: int) -> None:
+    def __init__(self, width: int, repeat: int, backward_ms: float = 0.0) -> None:
         super().__init__()
         self.linear = torch.nn.Linear(width, width)
         self.repeat = repeat
+        self.backward_ms = backward_ms
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.backward_ms:
+            x = SpinInBackward.apply(x, self.backward_ms)
         for _ in range(self.repeat):
             x = torch.relu(self.linear(x))
         return x
+
+
+class SpinInBackward(torch.autograd.Function):
+    """The identity, whose backward busy-waits `ms`: compute inside backward, between FSDP's collectives."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, ms: float) -> torch.Tensor:
+        ctx.ms = ms
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        spin(ctx.ms)
+        return grad, None
 
 
 def _tensor_parallel(model: Any, n_blocks: int) -> Any:
@@ -91,7 +117,12 @@ def _main(rank: int, world: int, port: int, o: dict[str, Any]) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     model = make_model(
-        o.get("wrapper", "fsdp2"), o.get("width", WIDTH), o.get("blocks", BLOCKS), o.get("repeat", REPEAT)
+        o.get("wrapper", "fsdp2"),
+        o.get("width", WIDTH),
+        o.get("blocks", BLOCKS),
+        o.get("repeat", REPEAT),
+        head=o.get("head", True),
+        backward_ms=o.get("backward_ms", 0.0) if rank == world - 1 else 0.0,
     )
     if o.get("work_ms"):  # forward work that takes the same wall time on every rank, however busy the cores
         model[0].register_forward_pre_hook(lambda *_: spin(o["work_ms"]))
@@ -134,6 +165,8 @@ def _main(rank: int, world: int, port: int, o: dict[str, Any]) -> None:
             loss.backward()
         opt.step()
         opt.zero_grad()
+        if o.get("after_step_ms"):  # the loop's own work after the step (logging, a scheduler): `other`
+            spin(o["after_step_ms"])
         scope.log(loss=loss * micro)
     scope.finish()
     dist.barrier()

@@ -83,6 +83,28 @@ def test_healthy_fsdp_run_is_clean(tmp_path):
     assert codes(s) - {"TIMING.JITTER"} == set(), s["findings"]
 
 
+def median_phases(rows, rank, first_step=5):
+    """A rank's median ms per phase over its steps after warm-up."""
+    mine = rows[(rows[:, COL["rank"]] == rank) & (rows[:, COL["step"]] >= first_step)]
+    return {p: float(np.median(mine[:, COL[f"{p}_ms"]])) for p in ("backward", "comm", "other")}
+
+
+def test_a_root_whose_output_is_its_last_units_times_backward_and_the_work_after_the_step(tmp_path):
+    # No output layer: the root's output is its last block's, so that tensor carries both units' hooks. Two
+    # begins before either end left one FSDP wait open to the end of backward; with the loop's own top it
+    # stayed open past the optimizer step, so the work after it (40 ms here) was comm, not other (0.3 ms).
+    fsdp_worker.run(
+        2, dict(run_dir=str(tmp_path), steps=40, head=False, backward_ms=60.0, after_step_ms=40.0, **QUICK)
+    )
+    s = report(tmp_path)
+    assert s["run"]["steps"] == 40 and s["scope"]["errors"] == []
+    rows = read_rows(tmp_path)
+    fast, slow = median_phases(rows, 0), median_phases(rows, 1)
+    assert fast["other"] > 30 and slow["other"] > 30, (fast, slow)
+    assert slow["backward"] > 45 and slow["backward"] - fast["backward"] > 30, (fast, slow)
+    assert s["distributed"]["stragglers"] == [1]
+
+
 def test_rank_that_stops_at_step_30_is_named_in_the_hang(tmp_path):
     start = time.monotonic()
     with pytest.raises(mp.ProcessExitedException) as info:
@@ -135,17 +157,23 @@ def test_tensor_parallel_job_says_communication_is_not_measured_instead_of_guess
     assert text.count("not measured") >= 4  # run summary, comm phase, distributed, budget lines
 
 
-def test_lightning_model_parallel_strategy_goes_through_the_same_path(tmp_path):
+def run_lightning_fsdp_job(tmp_path, *args):
+    """tests/scripts/lightning_fsdp_job.py with `args`, to the end; its run directory."""
     pytest.importorskip("lightning")
     run_dir = tmp_path / "run"
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
     script = ROOT / "tests" / "scripts" / "lightning_fsdp_job.py"
     proc = subprocess.run(
-        [sys.executable, str(script), "--run-dir", str(run_dir), "--steps", "40", "--spin-ms", "40"],
+        [sys.executable, str(script), "--run-dir", str(run_dir), *args],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "scope disabled" not in proc.stderr and "not measured" not in proc.stderr
+    return run_dir
+
+
+def test_lightning_model_parallel_strategy_goes_through_the_same_path(tmp_path):
+    run_dir = run_lightning_fsdp_job(tmp_path, "--steps", "40", "--spin-ms", "40")
     s = report(run_dir)
     assert s["run"]["parallelism"] == "fsdp2" and s["run"]["comm_measured"] is True
     assert s["timing"]["phases"]["comm"]["share"] > 0.02
@@ -159,6 +187,18 @@ def test_lightning_model_parallel_strategy_goes_through_the_same_path(tmp_path):
             sorted(mine[:, COL["step"]].tolist()) == list(range(40))
             and (mine[:, COL["grad_syncs"]] == 1).all()
         )
+
+
+def test_lightning_with_a_root_whose_output_is_its_last_units_names_the_slow_backward(tmp_path):
+    # An nn.Sequential of sharded blocks as the root, the loss's pre-hook beginning backward: every rank's whole
+    # backward was comm (0.06 ms of backward against 50 ms spent in it), and the slow rank went unnamed.
+    run_dir = run_lightning_fsdp_job(tmp_path, "--steps", "30", "--no-head", "--backward-spin-ms", "60")
+    s = report(run_dir)
+    assert s["scope"]["errors"] == []
+    rows = read_rows(run_dir)
+    fast, slow = median_phases(rows, 0), median_phases(rows, 1)
+    assert slow["backward"] > 45 and slow["backward"] - fast["backward"] > 30, (fast, slow)
+    assert s["distributed"]["stragglers"] == [1]
 
 
 def test_a_units_parameter_groups_are_read_from_the_list_or_from_the_single_group_of_older_torch() -> None:
