@@ -419,7 +419,9 @@ def _waited_in(beats: dict[int, dict[str, Any]], waiting: list[int]) -> str:
     if LOOP_COLLECTIVE in phases:
         return LOOP_WAIT
     if "collective" in phases:
-        return "the FSDP all-gather or reduce-scatter of gradient sync"
+        # A heartbeat's "collective" is a forward's all-gather or a backward's all-gather or reduce-scatter
+        # alike; the ordinal put before it counts gradient syncs, so it names the round that ends in one.
+        return "the FSDP all-gather and reduce-scatter round"
     if phases == {"gather"}:
         return GATHER
     return GRADIENT_ALLREDUCE

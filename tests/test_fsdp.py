@@ -21,7 +21,7 @@ from pytscope_core.demo import free_port
 from pytscope_core.records import COL
 from pytscope_core.rundir import load_run, read_events, read_rows
 from pytscope_core.summary import summarize
-from pytscope_core.watchdog import HANG_EXIT_CODE
+from pytscope_core.watchdog import HANG_EXIT_CODE, classify_hang
 
 pytestmark = pytest.mark.multiproc
 
@@ -119,6 +119,17 @@ def test_rank_that_stops_at_step_30_is_named_in_the_hang(tmp_path):
     assert [f["code"] for f in s["findings"] if f["severity"] == "HIGH"] == ["DIST.HANG"], s["findings"]
     arrays = load_run(tmp_path).arrays
     assert [int(arrays.steps[np.isfinite(arrays.wall_ms[:, i])].max()) for i in range(2)] == [29, 29]
+
+
+def test_a_hang_in_an_fsdp_collective_does_not_call_a_forward_all_gather_gradient_sync():
+    # A heartbeat's "collective" may be the forward's all-gather (a peer stuck fetching its batch): the title
+    # read "the 30th FSDP all-gather or reduce-scatter of gradient sync".
+    beat = {"step": 29, "phase": "collective", "idle_s": 400.0, "syncs": 29}
+    f = classify_hang({0: beat, 1: {**beat, "phase": "data"}}, 2, 10.0)
+    assert (
+        f is not None and f.title == "rank 1 never reached the 30th FSDP all-gather and reduce-scatter round"
+    )
+    assert "gradient sync" not in f.title + f.detail
 
 
 def test_gradient_accumulation_is_one_step_per_window_and_the_ranks_stay_in_step(tmp_path):
