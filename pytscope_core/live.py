@@ -461,7 +461,7 @@ def metrics(analysis: RunAnalysis | Summary, findings: list[Finding]) -> dict[st
         "pytscope/step_ms": analysis.timing.median_ms,
         "pytscope/comm_share": shares.get("comm"),
         "pytscope/data_share": shares.get("data"),
-        "pytscope/lost_to_imbalance": analysis.distributed.effective.lost_to_imbalance,
+        "pytscope/lost_to_imbalance": analysis.distributed.effective.cost_share,
         "pytscope/mfu": analysis.efficiency.mfu,
         "pytscope/findings_high": sum(f.severity == Severity.HIGH for f in findings),
         "pytscope/findings_med": sum(f.severity == Severity.MED for f in findings),

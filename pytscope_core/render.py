@@ -292,7 +292,9 @@ def render_distributed(summary: Summary) -> RenderableType:
             _num(r.comm_ms),
             _num(r.sync_wait_ms),
             f"{100 * r.critical_share:.0f}%",
-            "◀ straggler" if r.rank in counted.stragglers else "",
+            ("◀ straggler" if counted.until is None else "◀ straggled")
+            if r.rank in counted.stragglers
+            else "",
         )
     parts: list[RenderableType] = [
         _section("Distributed"),
@@ -307,7 +309,7 @@ def render_distributed(summary: Summary) -> RenderableType:
     ]
     if omitted:
         parts.append(Text(f"... {omitted} ranks omitted (showing the slowest 8 and fastest 4 by local work)"))
-    late = d.late
+    late, ended = d.late, d.ended
     if late is not None and late.since is not None:
         slow = [late.rank(r) for r in late.stragglers]
         parts.append(
@@ -319,7 +321,22 @@ def render_distributed(summary: Summary) -> RenderableType:
                 "those steps' wall time"
             )
         )
-    if d.intermittent is not None and not (late is not None and d.intermittent.rank in late.stragglers):
+    if ended is not None:
+        slow = [ended.rank(r) for r in ended.stragglers]
+        parts.append(
+            Text(
+                (f"from around step {ended.since} " if ended.since is not None else "")
+                + f"until around step {ended.until}: rank{'s' if len(slow) > 1 else ''} "
+                f"{', '.join(str(r.rank) for r in slow)} "
+                f"{'were stragglers' if len(slow) > 1 else 'was a straggler'} ("
+                + ", ".join(f"{r.local_ms:.2f} ms of local work" for r in slow)
+                + f" vs {ended.next_slowest_local_ms:.2f} ms), costing "
+                f"{100 * ended.lost_to_imbalance:.1f}% of those steps' wall time, "
+                f"{100 * ended.lost_share_of_window:.1f}% of all; no longer since"
+            )
+        )
+    span = late or ended
+    if d.intermittent is not None and not (span is not None and d.intermittent.rank in span.stragglers):
         w = d.intermittent
         parts.append(
             Text(

@@ -6,7 +6,10 @@ the whole run, is held against what still stands the same way (`still_standing`)
 and not in the summary is said to be gone there too. A finding is the same finding when its code and ranks
 agree (`Finding.key`), or, where one finding speaks for its code on each side, whatever its ranks or the count
 in its title (`same_findings`): a jitter first on rank 1 and then on no rank in particular, 4 spikes on rank 0
-then 5 on every rank, is one finding updated, not one gone and another new.
+then 5 on every rank, is one finding updated, not one gone and another new. A finding about something that
+stopped (a straggler that no longer straggles: `is_past`) is not the same finding as the current one it was:
+the current one is said to be gone and the past one said once; a past one the window no longer holds, or that
+is current again, is forgotten without a word.
 """
 
 from __future__ import annotations
@@ -30,6 +33,11 @@ class Word:
     gone: list[Finding]
 
 
+def is_past(finding: Finding) -> bool:
+    """A finding about something that stopped within the window (a straggler's `until_step`): said as past."""
+    return "until_step" in finding.evidence
+
+
 def same_findings(before: Iterable[Finding], after: Iterable[Finding]) -> dict[Key, Finding]:
     """Each finding of `before` that `after` still makes, by its key, and the finding of `after` it is now:
     the one with its code and ranks, or, where its code has one finding on each side and their ranks differ,
@@ -37,12 +45,14 @@ def same_findings(before: Iterable[Finding], after: Iterable[Finding]) -> dict[K
     rank: DATA.UNEVEN_SHARDS; one per launch: RUN.FAILED) are told apart by their ranks."""
     before, after = list(before), list(after)
     by_key = {f.key: f for f in after}
-    same = {f.key: by_key[f.key] for f in before if f.key in by_key}
+    same = {f.key: by_key[f.key] for f in before if f.key in by_key and is_past(by_key[f.key]) == is_past(f)}
     count_before = collections.Counter(f.code for f in before)
     count_after = collections.Counter(f.code for f in after)
     for f in before:
         if f.key not in same and count_before[f.code] == 1 and count_after[f.code] == 1:
-            same[f.key] = next(g for g in after if g.code == f.code)
+            now = next(g for g in after if g.code == f.code)
+            if is_past(now) == is_past(f):
+                same[f.key] = now
     return same
 
 
@@ -66,13 +76,14 @@ class SaidFindings:
         same = same_findings(self._diagnosed.values(), findings)
         # (An integration's finding under the same key stands in for it: CONVERGENCE.SKIPPED_STEPS's alert.)
         shown_keys = {f.key for f in shown}
-        gone = [
+        dropped = [
             f
             for key, f in self._diagnosed.items()
-            if key not in same and key not in shown_keys and self._stood(f)
+            if key not in same and key not in shown_keys and (self._stood(f) or is_past(f))
         ]
-        for f in gone:
+        for f in dropped:
             self._severity.pop(f.key, None)
+        gone = [f for f in dropped if not is_past(f)]
         moved = []
         for key, now in same.items():
             if now.key != key:  # the same finding, its ranks changed: its word moves to its new key
@@ -92,7 +103,7 @@ class SaidFindings:
     def still_standing(self) -> list[Finding]:
         """The last diagnosis's findings whose HIGH or MED word stands on the console: the end-of-run summary
         says those it does not make are gone (`RunReporter.summary`)."""
-        return [f for f in self._diagnosed.values() if self._stood(f)]
+        return [f for f in self._diagnosed.values() if self._stood(f) and not is_past(f)]
 
     def _stood(self, finding: Finding) -> bool:
         """Whether the console's word on `finding` is an alarm: said at MED or above (a finding said at MED

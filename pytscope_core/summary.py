@@ -147,14 +147,10 @@ class Summary:
                     for i, r in enumerate(d.per_rank)
                 ],
                 "stragglers": list(d.effective.stragglers),
-                "late": {  # no straggler over the whole run; one from `since` on (`stragglers` names it too)
-                    "since": d.late.since,
-                    "stragglers": list(d.late.stragglers),
-                    "lost_to_imbalance": d.late.lost_to_imbalance,
-                    "lost_ms_per_step": d.late.lost_ms_per_step,
-                }
-                if d.late
-                else None,
+                # A straggler that began late and still is one, from `since` on; one that stopped at `until`
+                # (and began at `since`, where it began late too); `stragglers` names it too.
+                "late": _span(d.late),
+                "ended": _span(d.ended),
                 "intermittent": _fields(d.intermittent),
                 "transfer_ms": d.transfer_ms,
                 "transfer_share": d.transfer_share,
@@ -250,6 +246,20 @@ def summary_of(analysis: RunAnalysis, findings: list[Finding]) -> Summary:
         scope_errors=tuple(ctx.scope_errors),
         scope_notes=tuple(stopped_note(analysis, note) for note in ctx.scope_notes),
     )
+
+
+def _span(d: DistributedTiming | None) -> dict[str, Any] | None:
+    """A straggler's span (`DistributedTiming.late`, `.ended`) as JSON, or None."""
+    if d is None:
+        return None
+    return {
+        "since": d.since,
+        "until": d.until,
+        "stragglers": list(d.stragglers),
+        "lost_to_imbalance": d.lost_to_imbalance,
+        "lost_ms_per_step": d.lost_ms_per_step,
+        "lost_share_of_run": d.lost_share_of_window,
+    }
 
 
 def _fields(record: Any) -> dict[str, Any] | None:

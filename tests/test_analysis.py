@@ -112,6 +112,115 @@ def test_a_straggler_that_begins_late_is_named_from_where_it_began():
     assert healthy.stragglers == () and healthy.late is None
 
 
+def _straggler_for_a_while(
+    ranks: int, slow: slice, extra_ms: float, seed: int = 0, steps: int = 300
+) -> RunArrays:
+    """`ranks` ranks x `steps` steps (warm-up 5) with the noise of benchmarks/detection.py (a fixed offset per
+    rank, machine-wide and per-rank jitter, 1% of steps 1.2-2x); rank 1 does `extra_ms` more work in `other`
+    in the steps of `slow` (0-based: slice(150, 300) is steps 151-300). Local work is about 10 ms."""
+    rng = np.random.default_rng(seed)
+    offset = np.exp(0.012 * rng.standard_normal(ranks))
+    shared = np.exp(0.03 * rng.standard_normal((steps, 1)))
+    own = np.exp(0.04 * rng.standard_normal((steps, ranks)))
+    spikes = np.where(rng.random((steps, ranks)) < 0.01, rng.uniform(1.2, 2.0, (steps, ranks)), 1.0)
+    compute = 9.5 * offset * shared * own * spikes
+    ph = np.zeros((steps, ranks, 6))
+    ph[:, :, 1], ph[:, :, 2], ph[:, :, 5] = 0.4 * compute, 0.55 * compute, 0.05 * compute
+    ph[slow, 1, 5] += extra_ms
+    local = ph.sum(axis=2)
+    ph[:, :, 3] = local.max(axis=1, keepdims=True) - local + TRANSFER_MS
+    return RunArrays.from_arrays(ph, loss=np.linspace(2, 1, steps), warmup=5)
+
+
+def _window_share(arrays: RunArrays, span) -> float:
+    """What a straggler's span cost, as a share of the wall time of every counted step."""
+    return span.lost_ms_per_step * span.steps_counted / arrays.wall_ms[arrays.counted].mean(axis=1).sum()
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_a_straggler_from_halfway_through_is_named_from_there_even_where_the_whole_run_names_it(ranks):
+    # Rank 1 does +90% from step 151 of 300 (a real 2-rank gloo run: 23.0 ms of local work before, 43.1
+    # after): the whole run passes the gates (on 2 ranks the healthy half is slower by chance in half of its
+    # steps), which once kept its onset from being looked for and blended its numbers (+52.6%, "slower in
+    # 71.5% of 295 steps", no onset). Its onset, and its numbers over the steps since, are what it is.
+    for seed in range(3):
+        arrays = _straggler_for_a_while(ranks, slice(150, 300), 9.0, seed)
+        a = analyze(arrays, RunContext(world_size=ranks, warmup=5))
+        d = a.distributed
+        assert d.stragglers == (1,) and d.ended is None and d.late is not None and d.effective is d.late
+        late = d.late
+        assert late.stragglers == (1,) and abs(late.since - 151) <= 3 and late.until is None
+        assert abs(late.steps_counted - 150) <= 3
+        me = late.rank(1)
+        assert me.slower_share > 0.95 and 0.8 < me.excess < 1.0
+        assert me.extra_phase == "other" and me.extra_phase_ms == pytest.approx(9.0, rel=0.1)
+        assert late.lost_ms_per_step == pytest.approx(9.0, rel=0.15)  # its cost over its span, not blended
+        assert late.lost_share_of_window == pytest.approx(_window_share(arrays, late), rel=1e-3)
+        findings = run_rules(a)
+        (f,) = [f for f in findings if f.code == "DIST.STRAGGLER"]
+        assert f.title.endswith(f"have waited for it since around step {late.since}")
+        assert f.severity == Severity.HIGH and f.evidence["since_step"] == late.since
+        assert "(before it, no rank was)" in f.detail and "since then" in f.detail
+        s = summary_of(a, findings).to_dict()["distributed"]
+        assert s["stragglers"] == [1] and s["late"]["since"] == late.since and s["ended"] is None
+        assert s["late"]["lost_share_of_run"] == pytest.approx(late.lost_share_of_window)
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_a_straggler_that_stopped_halfway_through_is_said_as_past(ranks):
+    # Rank 1 does +90% until step 150 of 300 and is as fast as the others after (a real gloo run read
+    # "[HIGH] Rank 1 is a straggler: the other ranks wait for it", +16.5%, "+2.76 ms" of extra work beside
+    # "10.27 ms" of waiting for it, and advice to check its host now). It stopped at step 151: said as past,
+    # with its numbers over the steps it ran slow, severity by its share of the whole run's wall, and advice
+    # about those steps.
+    for seed in range(3):
+        arrays = _straggler_for_a_while(ranks, slice(0, 150), 9.0, seed)
+        a = analyze(arrays, RunContext(world_size=ranks, warmup=5))
+        d = a.distributed
+        assert d.stragglers == (1,) and d.late is None and d.ended is not None and d.effective is d.ended
+        ended = d.ended
+        assert ended.stragglers == (1,) and ended.since is None and abs(ended.until - 151) <= 3
+        me = ended.rank(1)
+        assert me.slower_share > 0.95 and me.extra_phase == "other"
+        assert me.extra_phase_ms == pytest.approx(
+            ended.lost_ms_per_step, rel=0.15
+        )  # the same 9 ms, both ways
+        assert ended.cost_share == ended.lost_share_of_window
+        assert ended.lost_share_of_window == pytest.approx(_window_share(arrays, ended), rel=1e-3)
+        findings = run_rules(a)
+        (f,) = [f for f in findings if f.code == "DIST.STRAGGLER"]
+        assert f.title.startswith(f"Rank 1 was a straggler until around step {ended.until}")
+        assert f.title.endswith("and no longer do") and f.evidence["until_step"] == ended.until
+        assert f.severity == Severity.HIGH and "since_step" not in f.evidence  # ~30% of the run's wall
+        assert "nothing on rank 1's host is slow now" in f.recommendation and "Check" not in f.recommendation
+        summary = summary_of(a, findings)
+        s = summary.to_dict()["distributed"]
+        assert s["late"] is None and s["ended"]["until"] == ended.until and s["ended"]["since"] is None
+        console = Console(file=io.StringIO(), width=100, color_system=None)
+        console.print(render_distributed(summary))
+        text = console.file.getvalue()
+        assert f"until around step {ended.until}: rank 1 was a straggler" in text and "◀ straggled" in text
+    # Its severity is by its share of the whole run's wall: +2 ms (20%) over the first 150 of 600 steps cost
+    # over 10% of those steps' wall (HIGH while it lasted), under that of the run's.
+    a = analyze(_straggler_for_a_while(4, slice(0, 150), 2.0, steps=600), RunContext(world_size=4, warmup=5))
+    ended = a.distributed.ended
+    (f,) = [f for f in run_rules(a) if f.code == "DIST.STRAGGLER"]
+    assert ended is not None and ended.lost_to_imbalance >= 0.10 > ended.lost_share_of_window
+    assert f.severity == Severity.MED and f.evidence["window_lost_share"] == ended.lost_share_of_window
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_a_straggler_all_along_has_no_course(ranks):
+    # The same noise with rank 1 slow in every step: named over the whole run, with no onset and no end.
+    for seed in range(3):
+        for extra in (1.0, 9.0):
+            d = analyze(
+                _straggler_for_a_while(ranks, slice(0, 300), extra, seed),
+                RunContext(world_size=ranks, warmup=5),
+            ).distributed
+            assert d.stragglers == (1,) and d.late is None and d.ended is None and d.effective is d
+
+
 def test_straggler_wait_is_not_billed_as_communication():
     arrays = make_run(400, 4, slow={3: 0.10})
     healthy = analyze(make_run(400, 4), RunContext(world_size=4))

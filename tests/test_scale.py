@@ -321,6 +321,44 @@ def test_a_live_alarm_that_goes_away_is_said_to_and_said_again_when_it_returns(t
     assert said == [("finding", 10), ("cleared", 20), ("finding", 30)]
 
 
+def test_a_live_straggler_that_stopped_is_cleared_and_said_as_past(tmp_path, monkeypatch):
+    # Said live as a straggler, then found to have stopped (DIST.STRAGGLER with its `until_step`): the alarm
+    # is said to be gone, then the finding as it now reads, once; when the window no longer holds it, it
+    # goes without a word, and a straggler on the same rank later is said again.
+    from pytscope_core import analysis
+
+    now = Finding("DIST.STRAGGLER", Severity.HIGH, "Rank 1 is a straggler", "d", "r", ranks=(1,))
+    past = Finding(
+        "DIST.STRAGGLER",
+        Severity.HIGH,
+        "Rank 1 was a straggler until around step 150",
+        "d",
+        "r",
+        ranks=(1,),
+        evidence={"until_step": 150.0},
+    )
+    verdicts = iter([[now], [past], [past], [], [now]])
+    monkeypatch.setattr(analysis, "run_rules", lambda a: next(verdicts))
+    live = live_of(tmp_path)
+    g = gathered(0)
+    live.record(g.headers, g.rows, g.gather, g.step)
+    for step in (100, 200, 300, 400, 500):
+        live.diagnose(step)
+    live.reporter.close()
+    events, _ = read_events(tmp_path)
+    said = [
+        (e["type"], e["step"], e["finding"]["title"] if e["type"] == "finding" else e["findings"])
+        for e in events
+        if e["type"] in ("finding", "cleared")
+    ]
+    assert said == [
+        ("finding", 100, now.title),
+        ("cleared", 200, ["DIST.STRAGGLER"]),
+        ("finding", 200, past.title),
+        ("finding", 500, now.title),
+    ]
+
+
 def creeping_loss(steps: int) -> np.ndarray:
     """A loss that fell fast and then crept down under noise: its last 1,000 steps alone read flat."""
     t = np.arange(1, steps + 1)

@@ -51,11 +51,16 @@ its usual work (leaving out steps from 1.5x the median lost 4 of 10 detections o
 ranks in benchmarks/detection.py)."""
 
 LATE_TAILS = (2, 4, 8)
-"""Where the whole window names no straggler, the last 1/2, 1/4 and 1/8 of its steps are tried (each of at
-least LATE_MIN_STEPS): a rank +80% slower from step 800 of 1,300 moved the run's medians by 7% only, and
-its whole-run numbers said nothing. The same gates apply; a tail is judged only where its slowest rank's
-median local work is already STRAGGLER_MIN_EXCESS above the others' (a cheap screen, per rank, not per step)."""
+"""A straggler's time course: the last and the first 1/2, 1/4 and 1/8 of the window's steps (each of at least
+LATE_MIN_STEPS) are tried for one that began late or that stopped, whether or not the whole window names it:
+a rank +80% slower from step 800 of 1,300 moved the run's medians by 7% only, and its whole-run numbers said
+nothing; one +89% slower from step 150 of 300 passed the whole run's gates (on 2 ranks the healthy half is
+slower in about half of its steps by chance) with its numbers blended and its onset lost. The same gates
+apply; a part is judged only where its slowest rank's median local work is STRAGGLER_MIN_EXCESS above the
+others' there and by that much more than over the rest of the window (a cheap screen, per rank, not per
+step)."""
 LATE_MIN_STEPS = 100
+"""...and a straggler is said to have stopped only after this many steps without it."""
 LATE_SCREEN_STEPS = 256
 
 INTERMITTENT_SLOW = 1.5
@@ -140,17 +145,27 @@ class DistributedTiming:
     # Of transfer_ms: the least-blocked rank's time in collectives the loop calls itself (a barrier, a logging
     # all-reduce, Lightning's per-batch SIGTERM broadcast), not gradient communication; NaN where not recorded
     loop_transfer_ms: float = math.nan
-    since: int | None = None  # this analysis covers the steps from this one on (a `late` tail)
-    late: DistributedTiming | None = None  # no straggler over the whole window, but one over its last steps
+    since: int | None = None  # this analysis covers the steps from this one on (a straggler that began late)
+    until: int | None = None  # ...and before this one (a straggler that stopped): see `late` and `ended`
+    lost_share_of_window: float = math.nan  # a straggler's span: its lost time, of the window's wall
+    late: DistributedTiming | None = None  # a straggler that began late and still is one: its steps' analysis
+    ended: DistributedTiming | None = None  # a straggler that stopped before the window's end: its steps'
 
     def rank(self, rank: int) -> RankTiming:
         return next(r for r in self.per_rank if r.rank == rank)
 
     @property
     def effective(self) -> DistributedTiming:
-        """The analysis whose stragglers count: the whole window's, or where it names none, its late tail's (a
-        straggler that began late). The finding, the summary, the plot and the live metric all read this."""
-        return self if self.stragglers or self.late is None else self.late
+        """The analysis whose stragglers count: over the steps a straggler ran slow where it began late or
+        stopped (`late`, `ended`), else the whole window's. The finding, the summary, the plot and the live
+        metric all read this."""
+        return self.late or self.ended or self
+
+    @property
+    def cost_share(self) -> float:
+        """What the stragglers cost as a share of wall: of the steps they slow now, or, for one that stopped,
+        of the whole window's (it slows none now)."""
+        return self.lost_share_of_window if self.until is not None else self.lost_to_imbalance
 
 
 def distributed_timing(
@@ -169,50 +184,145 @@ def distributed_timing(
     timing = replace(_distributed_timing(arrays, sel), count_divergence=divergence)
     if not comm_measured:
         return _without_comm(timing, parallelism)
-    return timing if timing.stragglers else replace(timing, late=_late(arrays, sel, timing))
+    span = _course(arrays, sel, timing)
+    if span is None:
+        return timing
+    return replace(timing, late=span) if span.until is None else replace(timing, ended=span)
 
 
-def _late(arrays: RunArrays, sel: np.ndarray, whole: DistributedTiming) -> DistributedTiming | None:
-    """The analysis of the longest tail of `sel` (LATE_TAILS) that names a straggler, or None. A tail is
-    analysed only where its slowest rank's median local work (from at most LATE_SCREEN_STEPS of its steps)
-    is STRAGGLER_MIN_EXCESS above the other ranks' and by that much more than over the whole window: a
-    straggler that began there, not one the whole window already judged (too small a cost, say)."""
+def _course(arrays: RunArrays, sel: np.ndarray, whole: DistributedTiming) -> DistributedTiming | None:
+    """The analysis over the steps a straggler ran slow, where it began after the window's start (`since`) or
+    stopped before its end (`until`), or None. It is looked for in the longest part of `sel` (LATE_TAILS:
+    last steps first, then first steps) whose screen passes and that names a straggler, the same ranks the
+    whole window names where it names any (the same straggler's course, not another rank's)."""
     idx = np.flatnonzero(sel)
-    overall = np.array([r.local_ms for r in whole.per_rank])
+    if arrays.world_size < 2 or len(whole.per_rank) != arrays.world_size:
+        return None
     for part in LATE_TAILS:
-        start = idx.size - idx.size // part
-        if idx.size - start < LATE_MIN_STEPS or arrays.world_size < 2 or overall.size != arrays.world_size:
+        k = idx.size // part
+        if k < LATE_MIN_STEPS:
             return None
-        steps = idx[start:]
+        for tail in (True, False):
+            inside, rest = (idx[-k:], idx[:-k]) if tail else (idx[:k], idx[k:])
+            if not _screen(arrays, inside, rest):
+                continue
+            d = _distributed_timing(arrays, _mask(sel, inside))
+            if not d.stragglers or (whole.stragglers and d.stragglers != whole.stragglers):
+                continue
+            span = _span(arrays, sel, d, tail, whole)
+            if span is not None:
+                return span
+    return None
+
+
+def _screen(arrays: RunArrays, inside: np.ndarray, rest: np.ndarray) -> bool:
+    """Whether the slowest rank in the steps `inside` (by median local work, over at most LATE_SCREEN_STEPS
+    of them) is STRAGGLER_MIN_EXCESS above the other ranks' there, and by that much more than in `rest`."""
+    excess = []
+    slowest = -1
+    for steps in (inside, rest):
         sample = steps[:: max(1, steps.size // LATE_SCREEN_STEPS)]
         with np.errstate(invalid="ignore"), warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)  # (a rank with no record there)
             med = np.nanmedian(arrays.wall_ms[sample] - arrays.comm_ms[sample], axis=0)
             if not np.isfinite(med).any():
-                return None
-            slowest = int(np.nanargmax(med))
-            excess = med[slowest] / np.nanmedian(np.delete(med, slowest)) - 1
-            before = overall[slowest] / np.nanmedian(np.delete(overall, slowest)) - 1
-        if not (excess >= STRAGGLER_MIN_EXCESS and excess - before >= STRAGGLER_MIN_EXCESS):
-            continue
-        tail = np.zeros_like(sel)
-        tail[steps] = True
-        d = _distributed_timing(arrays, tail)
-        if d.stragglers:
-            local = (arrays.wall_ms - arrays.comm_ms)[idx]
-            cols = [int(np.flatnonzero(arrays.ranks == r)[0]) for r in d.stragglers]
-            return replace(d, since=int(arrays.steps[idx[_onset(local, cols)]]))
-    return None
+                return False
+            if slowest < 0:
+                slowest = int(np.nanargmax(med))
+            excess.append(med[slowest] / np.nanmedian(np.delete(med, slowest)) - 1)
+    there, elsewhere = excess
+    return bool(there >= STRAGGLER_MIN_EXCESS and there - elsewhere >= STRAGGLER_MIN_EXCESS)
 
 
-def _onset(local: np.ndarray, cols: list[int]) -> int:
-    """Where the ranks in columns `cols` of `local` (S, R) began to be slower than the other ranks' median: the
-    change point of the steps they are slower in (the lowest point of its cumulative sum about its mean)."""
+def _span(
+    arrays: RunArrays, sel: np.ndarray, part: DistributedTiming, tail: bool, whole: DistributedTiming
+) -> DistributedTiming | None:
+    """The analysis over the steps of `sel` where `part`'s stragglers (found in its last steps, `tail`, or in
+    its first) were slower than the others: from the change point where they began to be, where the steps
+    before it name no straggler and they were not STRAGGLER_MIN_EXCESS slower there, to the one where they
+    stopped, where at least LATE_MIN_STEPS steps follow in which they were not. None where neither boundary
+    stands, where another rank was the straggler before (it is that one's course), or where the span names
+    other ranks. A straggler in the last steps that the whole window does not name began late by its own
+    account: its change point stands where it was slower before it all the same (short of a straggler), and
+    where the span from there names other ranks, `part` itself is kept."""
+    ranks = part.stragglers
+    idx = np.flatnonzero(sel)
+    cols = [int(np.flatnonzero(arrays.ranks == r)[0]) for r in ranks]
+    lag = _lag((arrays.wall_ms - arrays.comm_ms)[idx], cols)
+    n = lag.size
+    if tail:
+        start = _change(lag, rising=True)
+        stop = start + _change(lag[start:], rising=False)
+    else:
+        stop = _change(lag, rising=False)
+        start = _change(lag[:stop], rising=True)
+    own = tail and not whole.stragglers
+    if start > 0:
+        before = _distributed_timing(arrays, _mask(sel, idx[:start]))
+        if set(before.stragglers) - set(ranks):
+            return None  # the others waited for another rank then: not where this one began
+        if not own and not _quiet(before, ranks):
+            start = 0  # slow before it too: no onset
+    if stop < n and (
+        n - stop < LATE_MIN_STEPS or not _quiet(_distributed_timing(arrays, _mask(sel, idx[stop:])), ranks)
+    ):
+        stop = n  # still slow after it, or too soon to tell
+    if start == 0 and stop == n and not own:
+        return None
+    since = int(arrays.steps[idx[start]]) if start > 0 or own else None
+    d = _distributed_timing(arrays, _mask(sel, idx[start:stop]))
+    if d.stragglers != ranks:
+        if not own:
+            return None
+        d, stop = part, n
     with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # (a step no rank recorded)
+        total = float(np.nansum(np.nanmean(arrays.wall_ms[idx], axis=1)))
+    return replace(
+        d,
+        since=since,
+        until=int(arrays.steps[idx[stop]]) if stop < n else None,
+        lost_share_of_window=d.lost_ms_per_step * d.steps_counted / total if total > 0 else 0.0,
+    )
+
+
+def _quiet(d: DistributedTiming, ranks: tuple[int, ...]) -> bool:
+    """Whether none of `ranks` is a straggler in `d` nor even STRAGGLER_MIN_EXCESS slower in its median step:
+    a few steps cannot pass the gates, so the excess alone tells a short stretch of the same straggler
+    apart. (Not how often it was slower: healthy ranks' medians differ by ~2%, which over a few hundred steps
+    is significant but no straggler.)"""
+    return not any(r.straggler or r.excess >= STRAGGLER_MIN_EXCESS for r in d.per_rank if r.rank in ranks)
+
+
+def _mask(sel: np.ndarray, steps: np.ndarray) -> np.ndarray:
+    out = np.zeros_like(sel)
+    out[steps] = True
+    return out
+
+
+def _lag(local: np.ndarray, cols: list[int]) -> np.ndarray:
+    """(S,) how much more local work the ranks in columns `cols` of `local` (S, R) did in each step than the
+    other ranks' median (the least of them, as a ratio less 1); a step missing there gets the median lag."""
+    with warnings.catch_warnings(), np.errstate(all="ignore"):
         warnings.simplefilter("ignore", RuntimeWarning)  # (a step no other rank recorded)
         others = np.nanmedian(np.delete(local, cols, axis=1), axis=1)
-    slower = (local[:, cols].min(axis=1) > others).astype(np.float64)
-    return int(np.argmin(np.cumsum(slower - slower.mean())) + 1) % slower.size
+        lag = local[:, cols].min(axis=1) / others - 1
+    finite = np.isfinite(lag)
+    return np.where(finite, lag, np.median(lag[finite]) if finite.any() else 0.0)
+
+
+def _change(lag: np.ndarray, rising: bool) -> int:
+    """The change point of `lag` (S,): where it rises (`rising`: the first step of the higher part; 0 where it
+    never does) or falls (the first step of the lower part; S where it never does), at the extreme of the
+    cumulative sum of its ranks about their mean (Pettitt's statistic). Ranks, not the values: a 2x hiccup
+    moves it no more than any other slow step. Ranks, not whether the rank was above the others' median: a
+    real rank that stopped straggling at step 150 stayed a little slower for the next 7 steps (+9-39%, against
+    +90% before), which placed the end at step 157."""
+    if lag.size == 0:
+        return 0
+    ranks = np.argsort(np.argsort(lag, kind="stable"), kind="stable").astype(np.float64)
+    walk = np.cumsum(ranks - ranks.mean())
+    return int(np.argmin(walk) + 1) % lag.size if rising else int(np.argmax(walk)) + 1
 
 
 def _without_comm(d: DistributedTiming, parallelism: str | None) -> DistributedTiming:

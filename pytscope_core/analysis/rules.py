@@ -19,7 +19,7 @@ import numpy as np
 
 from ..context import LEFT, PEER_GONE, RAISED, STOPPED, RankFailure, ended_alone, lost_a_peer
 from ..findings import Finding, Severity, format_ranks, severity_at
-from .distributed import CountDivergence, majority
+from .distributed import CountDivergence, DistributedTiming, majority
 from .run import KILLED, RankEnd, RunAnalysis
 from .timing import few_steps_note
 
@@ -111,7 +111,9 @@ def _cost_severity(share: float) -> Severity:
 def straggler(a: RunAnalysis) -> list[Finding]:
     """One rank persistently has the most local work. Floors: excess >= 4.5%, slower in >= 70% of steps (60%
     from an excess of 13.5%; binomial z >= 3), and its extra work over the next-slowest rank >= 2% of wall
-    (distributed.py). One that began late is named from the tail of the run where it is one (`late`)."""
+    (distributed.py). One that began late is named from where it began (`late`), with its numbers over the
+    steps since; one that stopped is said as past (`ended`), with its numbers over the steps it ran slow and
+    its severity by what it cost the whole window: nothing on its host needs fixing now."""
     d = a.distributed.effective
     if len(d.stragglers) != 1:
         return []
@@ -121,10 +123,12 @@ def straggler(a: RunAnalysis) -> list[Finding]:
     others_data = float(np.median([r.data_ms for r in d.per_rank if r.rank != rank]))
     host = a.ctx.placement.host(rank)
     on_host = f" on host {host}" if host is not None else ""
+    if d.until is not None:
+        return [_past_straggler(a, d, d.until, others, others_data)]
     return [
         Finding(
             code="DIST.STRAGGLER",
-            severity=_cost_severity(d.lost_to_imbalance),
+            severity=_cost_severity(d.cost_share),
             title=f"Rank {rank}{on_host} is a straggler: the other ranks "
             + (f"have waited for it since around step {d.since}" if d.since is not None else "wait for it"),
             detail=(
@@ -145,8 +149,15 @@ def straggler(a: RunAnalysis) -> list[Finding]:
                     else ""
                 )
                 + f" Waiting for it costs {d.lost_ms_per_step:.2f} ms per "
-                f"step, {_pct(d.lost_to_imbalance)} of wall (upper bound: the next-slowest rank would then "
-                f"set the pace). The other ranks' wait shows as sync wait, not as communication."
+                f"step, {_pct(d.lost_to_imbalance)} of wall"
+                + (
+                    f" since then ({_pct(d.lost_share_of_window)} of the wall time of all "
+                    f"{a.distributed.steps_counted} steps counted)"
+                    if d.since is not None and math.isfinite(d.lost_share_of_window)
+                    else ""
+                )
+                + " (upper bound: the next-slowest rank would then set the pace). The other ranks' wait "
+                "shows as sync wait, not as communication."
             ),
             recommendation=(
                 (
@@ -173,6 +184,64 @@ def straggler(a: RunAnalysis) -> list[Finding]:
             },
         )
     ]
+
+
+def _past_straggler(
+    a: RunAnalysis, d: DistributedTiming, until: int, others: float, others_data: float
+) -> Finding:
+    """DIST.STRAGGLER for a straggler that stopped at step `until` (`d` is the analysis of the steps it ran
+    slow): said as past, its numbers over those steps, its severity by its share of the whole window's wall
+    (what it cost the run), and advice about that span, not about its host now."""
+    rank = d.stragglers[0]
+    me = d.rank(rank)
+    host = a.ctx.placement.host(rank)
+    span = f"from around step {d.since} " if d.since is not None else ""
+    return Finding(
+        code="DIST.STRAGGLER",
+        severity=_cost_severity(d.cost_share),
+        title=f"Rank {rank}{f' on host {host}' if host is not None else ''} was a straggler "
+        f"{span}until around step {until}: the other ranks waited for it, and no longer do",
+        detail=(
+            (f"From around step {d.since}" if d.since is not None else "From the start")
+            + f" until around step {until}, {a.ctx.placement.describe(rank)} did {me.local_ms:.2f} ms of "
+            f"local work per step vs {others:.2f} ms on the other ranks (medians; +{_pct(me.excess)} in its "
+            f"median step against the others' median there); it was slower than the others' median in "
+            f"{_pct(me.slower_share)} of those {d.steps_counted} steps (z = {me.z:.1f}) and on the critical "
+            f"path in {_pct(me.critical_share)}."
+            + (
+                f" Most of its extra work was in `{me.extra_phase}` (+{me.extra_phase_ms:.2f} ms per step)."
+                if me.extra_phase and me.extra_phase_ms > 0
+                else ""
+            )
+            + f" Waiting for it cost {d.lost_ms_per_step:.2f} ms per step then, "
+            f"{_pct(d.lost_to_imbalance)} of those steps' wall time and {_pct(d.lost_share_of_window)} of "
+            f"the wall time of all {a.distributed.steps_counted} steps counted "
+            "(upper bound: the next-slowest rank would then have set the pace). From around step "
+            f"{until} on it is no slower than the others."
+        ),
+        recommendation=(
+            f"It stopped on its own: nothing on rank {rank}'s host is slow now. To keep it from coming back, "
+            f"find what ran on {f'host {host}' if host is not None else 'its host'} in those steps: another "
+            "job or process, throttling of its CPU/GPU, its data loader (data wait "
+            f"{me.data_ms:.2f} ms vs {others_data:.2f} ms on the others then)"
+            + (f"; its `{me.extra_phase}` phase held most of the extra work" if me.extra_phase else "")
+            + ". `pytscope trace` shows those steps rank by rank."
+        ),
+        ranks=(rank,),
+        evidence={
+            "local_ms": me.local_ms,
+            "others_local_ms": others,
+            "excess": me.excess,
+            "slower_share": me.slower_share,
+            "z": me.z,
+            "critical_share": me.critical_share,
+            "lost_ms_per_step": d.lost_ms_per_step,
+            "lost_share": d.lost_to_imbalance,
+            "window_lost_share": d.lost_share_of_window,
+            "until_step": float(until),
+            **({"since_step": float(d.since)} if d.since is not None else {}),
+        },
+    )
 
 
 @rule("DIST.LOAD_IMBALANCE")
@@ -1239,9 +1308,11 @@ def jitter(a: RunAnalysis) -> list[Finding]:
     if not ratio >= JITTER_P95_RATIO or cost < JITTER_MIN_COST:
         return []
     who = a.distributed.intermittent  # (None where communication is not measured)
-    late = a.distributed.late
-    if who is not None and late is not None and who.rank in late.stragglers:
-        who = None  # slow in every step since it began (DIST.STRAGGLER), not now and then
+    span = a.distributed.late or a.distributed.ended
+    if who is not None and span is not None and who.rank in span.stragglers:
+        who = (
+            None  # slow in every step since it began, or until it stopped (DIST.STRAGGLER), not now and then
+        )
     if who is not None:
         every = f", every {who.every} steps" if who.every else ""
         where = (
@@ -1459,12 +1530,13 @@ def _advice(line: str, a: RunAnalysis) -> str:
     t = a.timing
     stalled = t.stall_share >= STALL_MIN_SHARE and bool(t.stalls)
     # The larger bill first: a stall on the straggler's rank fills the lines its usual lag fills, many times over.
-    stalls_first = stalled and t.stall_share > d.lost_to_imbalance
+    stalls_first = stalled and t.stall_share > d.cost_share
     if len(d.stragglers) == 1 and line in ("other", "sync wait (imbalance)") and not stalls_first:
         slow = d.rank(d.stragglers[0])  # the others' wait is its extra work: one piece of advice for both
         if line == "sync wait (imbalance)" or slow.extra_phase == "other" and slow.extra_phase_ms > 0:
             where = f" in `{slow.extra_phase}`" if slow.extra_phase and slow.extra_phase_ms > 0 else ""
-            return f"the extra work{where} on rank {slow.rank}, the straggler (see DIST.STRAGGLER)"
+            until = f" until step {d.until}" if d.until is not None else ""
+            return f"the extra work{where} on rank {slow.rank}, the straggler{until} (see DIST.STRAGGLER)"
     waits_for_stalls = line == "sync wait (imbalance)" and (stalls_first or not d.stragglers)
     if stalled and (waits_for_stalls or line == _LINE_OF.get(t.stalls[0].phase)):
         return f"the stalled step{'s' if len(t.stalls) > 1 else ''} (see TIMING.STALL)"
