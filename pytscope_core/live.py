@@ -231,12 +231,12 @@ class LiveDiagnosis:
             # New or worse findings, those whose ranks changed, and alarms the diagnosis no longer makes (a stale
             # alarm must not stand on the console): each said once.
             word = self._said.diagnosed(findings, self.findings)
+            if word.gone:
+                self.reporter.cleared(word.gone, step)
             if word.fresh:
                 self.reporter.findings(word.fresh, step)
             if word.updated:
                 self.reporter.findings(word.updated, step, updated=True)
-            if word.gone:
-                self.reporter.cleared(word.gone, step)
         if self.metrics_sink is not None:
             values = metrics(analysis, self.findings)
             with self._lock:

@@ -75,7 +75,7 @@ class SaidFindings:
         at every other diagnosis.)"""
         same = same_findings(self._diagnosed.values(), findings)
         # (An integration's finding under the same key stands in for it: CONVERGENCE.SKIPPED_STEPS's alert.)
-        shown_keys = {f.key for f in shown}
+        shown_keys = {f.key for f in shown} - {f.key for f in findings}
         dropped = [
             f
             for key, f in self._diagnosed.items()
