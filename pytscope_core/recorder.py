@@ -26,6 +26,7 @@ from .values import to_floats
 _STEP_END, _FORWARD_END, _OPTIMIZER_END = int(Mark.STEP_END), int(Mark.FORWARD_END), int(Mark.OPTIMIZER_END)
 _LOOP_COMM_BEGIN, _LOOP_COMM_END = int(Mark.LOOP_COMM_BEGIN), int(Mark.LOOP_COMM_END)
 _BACKWARD_END = int(Mark.BACKWARD_END)
+_FORWARD_BEGIN, _BACKWARD_BEGIN = int(Mark.FORWARD_BEGIN), int(Mark.BACKWARD_BEGIN)
 # What a loop may still do after its last step, before finish(): wait in collectives (a metric's gather, a
 # barrier before saving) and run a forward (evaluation in training mode).
 _EPILOGUE = frozenset(
@@ -103,10 +104,29 @@ class ClosedStep(NamedTuple):
     fingerprint: Any  # batches.fingerprint of the step's first batch, or None
 
 
-class StepRecorder:
+class Whereabouts:
+    """Where a recorder's training thread is, for another thread (the hang watchdog): reads only."""
+
+    steps_done: int
+    _marks: list[int]
+
+    def progress(self) -> tuple[tuple[int, int, int], int | None]:
+        """For another thread: a signature that changes with every mark, and the latest mark (or None), read
+        through a collective of the loop's (`place_mark`). Reads only; safe while the training thread appends."""
+        marks = self._marks
+        n = len(marks)
+        return (self.steps_done, id(marks), n), (place_mark(marks, n) if n else None)
+
+    def pass_now(self) -> tuple[int, str]:
+        """For another thread: `pass_in_step` of the open step. Reads only, from a copy (the run's end cuts the
+        open step's marks in place)."""
+        return pass_in_step(list(self._marks))
+
+
+class StepRecorder(Whereabouts):
     """Collects one rank's steps on the training thread (autograd threads mark too, through list.append). Another
-    thread (the hang watchdog) may only read through `progress()` and `pending_rows()`, which never mutate
-    anything. `stop()` makes every later call a no-op, so a disabled scope holds constant memory."""
+    thread (the hang watchdog) may only read through `progress()`, `pass_now()` and `pending_rows()`, which
+    never mutate anything. `stop()` makes every later call a no-op, so a disabled scope holds constant memory."""
 
     def __init__(
         self,
@@ -283,13 +303,6 @@ class StepRecorder:
             return self.last_label
         return self.step_label(max(self.steps_done + (1 if open_step else 0), 1))
 
-    def progress(self) -> tuple[tuple[int, int, int], int | None]:
-        """For another thread: a signature that changes with every mark, and the latest mark (or None), read
-        through a collective of the loop's (`place_mark`). Reads only; safe while the training thread appends."""
-        marks = self._marks
-        n = len(marks)
-        return (self.steps_done, id(marks), n), (place_mark(marks, n) if n else None)
-
     @property
     def completed(self) -> tuple[int, int, int]:
         """(optimizer steps, gradient syncs, micro-batches) done so far, counting the step that has just
@@ -449,6 +462,20 @@ def step_losses(logged: list[list[Any]]) -> list[float]:
         else:
             out.append(math.inf)
     return out
+
+
+def pass_in_step(marks: list[int]) -> tuple[int, str]:
+    """The forwards begun in a step's marks, and the pass its latest marks are in: "forward" after a forward
+    began, "backward" once it ended or a backward began ("" before any). Inside FSDP's collectives this is
+    what tells a forward's all-gather from a backward's reduce-scatter: both are the same phase, at the same
+    step and gradient-sync counts."""
+    forwards = marks.count(_FORWARD_BEGIN)
+    for i in range(len(marks) - 1, -1, -1):
+        if marks[i] == _FORWARD_BEGIN:
+            return forwards, "forward"
+        if marks[i] in (_FORWARD_END, _BACKWARD_BEGIN):
+            return forwards, "backward"
+    return forwards, ""
 
 
 def place_mark(marks: list[int], n: int) -> int:

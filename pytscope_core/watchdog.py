@@ -110,7 +110,8 @@ def classify_hang(
     reached).
 
     A heartbeat: {"step", "phase", "idle_s" (seconds without progress, as of publishing), "age_s" (how old
-    the heartbeat is), "syncs"}. A rank without a heartbeat, or whose heartbeat went stale, is missing.
+    the heartbeat is), "syncs"}, and inside FSDP's collectives "forwards" and "pass" (`StepRecorder.pass_now`).
+    A rank without a heartbeat, or whose heartbeat went stale, is missing.
     With a `placement`, ranks are named with their host and local rank.
     """
     place = placement or Placement()
@@ -127,7 +128,8 @@ def classify_hang(
     phases = TRAINING_COLLECTIVES if collective_only else WAITING_PHASES
     waiting = sorted(r for r, b in beats.items() if b["phase"] in phases)
     missing = sorted(r for r in range(world_size) if r not in waiting)
-    if collective_only and not (waiting and missing):
+    ahead = _forward_ahead(beats, waiting)
+    if collective_only and not (waiting and missing) and not ahead:
         return None  # the warm-up rule: only ranks left waiting by others make a hang
     allreduce = _waited_in(beats, waiting)
     if waiting and missing:
@@ -168,9 +170,9 @@ def classify_hang(
             f"{min(idle[r] for r in waiting):.0f} s; " + _whereabouts(missing, beats, place) + "."
         )
         ranks = missing
-    elif waiting and len({(beats[r]["phase"], int(beats[r]["syncs"])) for r in waiting}) > 1:
-        ranks = _in_another_collective(beats, waiting)
-        step = min(_waits_in(beats[r]) for r in ranks or waiting)
+    elif waiting and (len({(beats[r]["phase"], int(beats[r]["syncs"])) for r in waiting}) > 1 or ahead):
+        ranks = ahead or _in_another_collective(beats, waiting)
+        step = min(_waits_in(beats[r]) for r in (waiting if ahead else ranks or waiting))
         title = (
             f"rank{'s' if len(ranks) > 1 else ''} {format_ranks(ranks)}{_on_hosts(ranks, place)} "
             f"wait{'' if len(ranks) > 1 else 's'} in a collective the others are not in"
@@ -180,9 +182,16 @@ def classify_hang(
         detail = (
             "Every rank waits in a collective, not all in the same one: "
             + _whereabouts(waiting, beats, place)
-            + ". A collective called on some ranks only (under `if rank == 0` or `is_main_process`, in a loop"
-            " over an evaluation loader longer on some ranks, past a `continue` some ranks take) leaves the ranks"
-            " that called it waiting for the others, who went on to the next one."
+            + (
+                f". Rank{'s' if len(ranks) > 1 else ''} {format_ranks(ranks)} ran a forward where the others "
+                "ran a backward: a backward skipped on some ranks only (a data-dependent `continue` after the "
+                "loss, a rank-dependent branch around `backward()`), or a forward in training mode run on them "
+                "only, sets FSDP's collectives out of step: they pair up wrongly until one never does."
+                if ahead
+                else ". A collective called on some ranks only (under `if rank == 0` or `is_main_process`, in a "
+                "loop over an evaluation loader longer on some ranks, past a `continue` some ranks take) leaves "
+                "the ranks that called it waiting for the others, who went on to the next one."
+            )
         )
     elif waiting:
         detail = (
@@ -228,9 +237,9 @@ def classify_hang(
         title=title,
         detail=f"{detail} ({limit}; stacks of every live rank are in stacks/)",
         recommendation=(
-            "Read the named rank's stack first: a blocked data loader, a rank that skipped a batch "
-            "(uneven shards, a data-dependent `continue`), or a rank-dependent branch around backward or a "
-            "collective."
+            ("Read the named rank's stack first" if ranks else "Read every rank's stack in stacks/")
+            + ": a blocked data loader, a rank that skipped a batch (uneven shards, a data-dependent `continue`),"
+            " or a rank-dependent branch around backward or a collective."
         ),
         ranks=tuple(ranks),
         steps=(step,),
@@ -271,6 +280,26 @@ def _in_another_collective(beats: dict[int, dict[str, Any]], waiting: list[int])
         return behind
     loops = [r for r in waiting if beats[r]["phase"] == LOOP_COLLECTIVE]
     return loops if len(loops) < len(waiting) else []
+
+
+def _forward_ahead(beats: dict[int, dict[str, Any]], waiting: list[int]) -> list[int]:
+    """Of ranks all waiting inside FSDP's collectives, those a forward ahead of the others: past the forward
+    whose backward the ranks furthest behind are in (a later forward of that step, or a later step). Every
+    rank runs FSDP's collectives in the same order, so ranks that wait in them at different places diverged:
+    those ahead ran a forward where the others ran a backward (one they skipped); the collectives then pair
+    up wrongly (gloo matches a forward's all-gather with a backward's) until one never does. A forward's
+    all-gather and a backward's reduce-scatter are one phase, `collective`, and a rank that skipped its
+    backward (and so its optimizer step) has the same step and gradient-sync counts as the others: only the
+    forwards begun and the pass tell them apart. Proof of a hang even in warm-up: a compile between one
+    unit's collective marks leaves every rank at the same place."""
+    if len(waiting) < 2 or any("pass" not in beats[r] for r in waiting):
+        return []
+    at = {r: (_label(beats[r]), int(beats[r].get("forwards", 0))) for r in waiting}
+    first = min(at.values())
+    behind = [r for r in waiting if at[r] == first]
+    if any(beats[r]["pass"] != "backward" for r in behind):
+        return []
+    return sorted(r for r in waiting if at[r] > first)
 
 
 def _no_progress(
@@ -436,7 +465,13 @@ def _ordinal(n: int) -> str:
 def _where(beat: dict[str, Any] | None) -> str:
     if beat is None:  # never beat: a Python thread cannot while native code holds the GIL
         return "sent no heartbeat (dead, not started, or stuck in native code that holds the GIL)"
-    return f"is at step {_label(beat)} in `{beat['phase']}` for {float(beat['idle_s']):.0f} s"
+    within = ""
+    if beat.get("pass"):  # inside FSDP's collectives: which forward of the step, or its backward
+        nth = _ordinal(int(beat.get("forwards", 0)))
+        within = (
+            f", in its {nth} forward," if beat["pass"] == "forward" else f", in its {nth} forward's backward,"
+        )
+    return f"is at step {_label(beat)} in `{beat['phase']}`{within} for {float(beat['idle_s']):.0f} s"
 
 
 def position(recorder: StepRecorder) -> str | None:
@@ -644,6 +679,8 @@ class Watchdog(threading.Thread):
             "syncs": rec.grad_syncs,
             "t": _wall(),
         }
+        if phase == "collective":  # FSDP's: a forward's all-gather or a backward's (`_forward_ahead`)
+            self._local_beat["forwards"], self._local_beat["pass"] = rec.pass_now()
         if self.store is not None:
             self.store.set(f"{self.prefix}/hb/{self.rank}", json.dumps(self._local_beat))
 

@@ -6,10 +6,11 @@ such a machine, whatever their size) are about 15%. Options change the size (`wi
 `repeat`), add forward work of a fixed wall time on every rank (`work_ms`), and inject one behaviour at a
 time, always by busy-waiting (never sleeping): a slow last rank (`spin_ms`, or `slow_fraction` of the step as
 measured on warm-up steps 2-5), a last rank slow in backward (`backward_ms`, inside the last block's backward),
-work after each optimizer step on every rank (`after_step_ms`), a rank that blocks at one step, gradient
-accumulation with `set_requires_gradient_sync(False)` on all but the last micro-batch; `head=False` drops the
-output layer, so that the root's output is its last block's (the hook shape of an nn.Sequential of sharded
-blocks); `wrapper="tp"` trains the same model
+work after each optimizer step on every rank (`after_step_ms`), a rank that blocks at one step or skips one
+step's backward and optimizer step (a `continue` after the loss), gradient accumulation with
+`set_requires_gradient_sync(False)` on all but the last micro-batch; `head=False` drops the output layer, so
+that the root's output is its last block's (the hook shape of an nn.Sequential of sharded blocks);
+`wrapper="tp"` trains the same model
 tensor-parallel (DTensor), whose communication pytscope does not measure (FSDP1 would do as well, but it needs
 an accelerator).
 """
@@ -162,8 +163,11 @@ def _main(rank: int, world: int, port: int, o: dict[str, Any]) -> None:
                     m == micro - 1
                 )  # reduce-scatter on the last micro-batch only
             loss = F.cross_entropy(model(x), y) / micro
+            if slow and step == o.get("skip_backward_at"):
+                break
             loss.backward()
-        opt.step()
+        else:
+            opt.step()
         opt.zero_grad()
         if o.get("after_step_ms"):  # the loop's own work after the step (logging, a scheduler): `other`
             spin(o["after_step_ms"])

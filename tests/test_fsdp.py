@@ -132,6 +132,22 @@ def test_a_hang_in_an_fsdp_collective_does_not_call_a_forward_all_gather_gradien
     assert "gradient sync" not in f.title + f.detail
 
 
+def test_a_rank_that_skipped_its_backward_is_named_not_the_network(tmp_path):
+    # Rank 1 `continue`s after its loss at step 30: it waits in the next batch's forward all-gather, rank 0 in
+    # its backward's reduce-scatter, both at step 30 with the same gradient syncs. It read as one stuck
+    # collective ("network, NCCL/gloo"), naming nobody.
+    with pytest.raises(mp.ProcessExitedException) as info:
+        fsdp_worker.run(
+            2, dict(run_dir=str(tmp_path), steps=60, skip_backward_at=30, hang_timeout=5.0, **QUICK)
+        )
+    assert info.value.exit_code == HANG_EXIT_CODE
+    hang = [e["finding"] for e in read_events(tmp_path)[0] if e["type"] == "hang"]
+    assert hang and hang[0]["ranks"] == [1] and hang[0]["steps"] == [30], hang
+    assert "waits in a collective the others are not in" in hang[0]["title"], hang[0]["title"]
+    assert "ran a forward where the others ran a backward" in hang[0]["detail"], hang[0]["detail"]
+    assert "in its 1st forward's backward" in hang[0]["detail"] and "network" not in hang[0]["detail"]
+
+
 def test_gradient_accumulation_is_one_step_per_window_and_the_ranks_stay_in_step(tmp_path):
     # Four micro-batches per step, reduce-scatter on the last only; gathers every 10 steps meet on the
     # count of reduce-scatter rounds, which must stay equal on both ranks.

@@ -301,3 +301,33 @@ def test_a_batch_in_a_mapping_is_read_by_its_batch_size_not_by_whatever_comes_fi
     batch = {"feature_mask": torch.ones(16), "input_ids": ids, "attention_mask": torch.ones(6, 16)}
     assert batch_tensor(batch) is ids and batch_tensor([[torch.ones(3)]]).shape == (3,)
     assert batch_tensor({"text": ["a", "b"]}) is None
+
+
+def test_the_pass_a_rank_is_in_tells_a_forwards_collective_from_a_backwards():
+    # Under FSDP2 both are COMM_BEGIN marks at the same step and sync counts: the watchdog tells them apart by
+    # the pass (and the forwards begun in the step) that a heartbeat carries.
+    rec = StepRecorder(clock=FakeClock())
+    assert rec.pass_now() == (0, "")
+    rec.loop_top(Mark.DATA_BEGIN)
+    rec.mark(Mark.DATA_END)
+    assert rec.pass_now() == (0, "")
+    rec.mark(Mark.FORWARD_BEGIN)
+    rec.mark(Mark.COMM_BEGIN)  # the root unit's all-gather
+    assert rec.pass_now() == (1, "forward")
+    rec.mark(Mark.COMM_END)
+    rec.forward_ended(8.0)
+    rec.mark(Mark.COMM_BEGIN)  # a pre-backward all-gather may come before the backward's own mark
+    assert rec.pass_now() == (1, "backward")
+    rec.mark(Mark.COMM_END)
+    rec.mark(Mark.BACKWARD_BEGIN)
+    rec.mark(Mark.COMM_BEGIN)  # a reduce-scatter
+    assert rec.pass_now() == (1, "backward")
+    # A rank that skipped that backward (no optimizer step: the step stays open) is in its next forward.
+    skipper = StepRecorder(clock=FakeClock())
+    skipper.loop_top(Mark.DATA_BEGIN)
+    skipper.mark(Mark.FORWARD_BEGIN)
+    skipper.forward_ended(8.0)
+    skipper.loop_top(Mark.DATA_BEGIN)
+    skipper.mark(Mark.FORWARD_BEGIN)
+    skipper.mark(Mark.COMM_BEGIN)
+    assert skipper.pass_now() == (2, "forward") and skipper.steps_done == rec.steps_done == 0

@@ -446,6 +446,36 @@ def test_ranks_all_waiting_but_in_different_collectives_name_the_one_the_others_
     assert f is not None and f.ranks == () and "network" in f.detail
 
 
+def test_under_fsdp_a_rank_that_skipped_its_backward_is_named_not_the_network():
+    # Rank 1 `continue`s after its forward at step 30 (no backward, no optimizer step), rank 0 runs its
+    # backward: rank 1 waits in the next batch's forward all-gather (or, where gloo paired that with one of rank
+    # 0's backward all-gathers, in that forward's backward), rank 0 in its backward's collectives. Same phase
+    # (`collective`), same step and gradient syncs on both: it used to read as one stuck collective, naming
+    # nobody.
+    def fsdp(step: int, forwards: int, where: str) -> dict:
+        return {**_beat("collective", step), "syncs": 29, "forwards": forwards, "pass": where}
+
+    backward = fsdp(29, 1, "backward")
+    for skipper in (
+        fsdp(29, 2, "forward"),
+        fsdp(29, 2, "backward"),
+        fsdp(30, 1, "forward"),  # (it stepped its optimizer all the same)
+    ):
+        f = classify_hang({0: backward, 1: skipper}, 2, 300.0)
+        assert f is not None and f.severity.name == "HIGH" and f.ranks == (1,) and f.steps == (30,), f
+        assert f.title == "rank 1 waits in a collective the others are not in", f.title
+        assert "Rank 1 ran a forward where the others ran a backward" in f.detail, f.detail
+        assert "in its 1st forward's backward, for 400 s" in f.detail and "network" not in f.detail
+        warm_up = classify_hang({0: backward, 1: skipper}, 2, 300.0, collective_only=True)  # proof in warm-up
+        assert warm_up is not None and warm_up.ranks == (1,)
+    # Every rank at the same place: one stuck collective, or (in warm-up) a compile between two marks.
+    for same in ({0: backward, 1: backward}, {0: fsdp(29, 2, "forward"), 1: fsdp(29, 2, "forward")}):
+        f = classify_hang(same, 2, 300.0)
+        assert f is not None and f.ranks == () and "network" in f.detail
+        assert "named rank" not in f.recommendation and "every rank's stack" in f.recommendation
+        assert classify_hang(same, 2, 300.0, collective_only=True) is None
+
+
 def test_the_auto_timeout_scales_with_steps_past_warm_up_not_with_pauses_between_them():
     # A validation of 600 s between two steps, seen as the gap between step closes, made "auto" 12,000 s:
     # hang detection off for hours. Once a gather brings the steps' wall times (pauses left out), those count.
