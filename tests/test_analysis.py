@@ -1145,6 +1145,43 @@ def test_a_hang_every_rank_went_on_past_is_the_stall_it_was():
     assert [f.severity for f in hung if f.code == "DIST.HANG"] == [Severity.HIGH]
 
 
+def test_a_hang_reported_in_warm_up_that_every_rank_went_on_past_is_slow_start_up():
+    # hang_timeout=5 and every rank 10 s in its first step (lazy initialisation): the watchdog said "no rank
+    # has progressed" (MED) at step 1, then the run went on to step 30. Warm-up steps are not judged for
+    # stalls, so the summary kept a DIST.HANG that said it was "a stall of about that length, not a hang".
+    report = {
+        "code": "DIST.HANG",
+        "severity": "MED",
+        "title": "no rank has progressed for 5 s",
+        "detail": "Every rank has been at step 1 in `between data and forward` for 5 s",
+        "recommendation": "see stacks",
+        "ranks": [],
+        "steps": [1],
+    }
+    rng = np.random.default_rng(0)
+    ph = np.zeros((30, 2, 6))
+    ph[:, :, 1], ph[:, :, 2] = 4.0 + 0.1 * rng.standard_normal((30, 2)), 6.0
+    ph[0, :, 5] += 10_000.0  # every rank's own work at step 1
+    loss = 2.0 * np.exp(-np.arange(30) / 100) + 0.5
+    arrays = RunArrays.from_arrays(ph, loss=loss, warmup=5)
+    findings = diagnose(arrays, RunContext(world_size=2, hang_reports=(report,)))
+    codes = [f.code for f in findings]
+    assert "DIST.HANG" not in codes, codes
+    (stall,) = [f for f in findings if f.code == "TIMING.STALL"]
+    assert stall.severity == Severity.MED and stall.steps == (1,), stall
+    assert stall.title == "Step 1 stalled for 10.0 s in warm-up", stall.title
+    assert "reported step 1 as a hang at the time (no rank has progressed for 5 s" in stall.detail
+    assert "slow start-up" in stall.detail and "not a hang" in stall.detail and "auto" in stall.recommendation
+    # The counted steps' statistics are as they were: the warm-up stall is not billed to them.
+    t = analyze(arrays, RunContext(world_size=2, hang_reports=(report,))).timing
+    assert t.stalls == () and t.stall_share == 0.0 and [x.step for x in t.warm_up_stalls] == [1]
+    # A slow first step with no hang report is warm-up as before; a run that never got past it is the hang.
+    assert "TIMING.STALL" not in {f.code for f in diagnose(arrays, RunContext(world_size=2))}
+    hung = RunArrays.from_arrays(ph[:1], loss=loss[:1], warmup=5)
+    kept = diagnose(hung, RunContext(world_size=2, hang_reports=(report,)))
+    assert "DIST.HANG" in {f.code for f in kept} and "TIMING.STALL" not in {f.code for f in kept}
+
+
 def _rows(segment: int, steps: range, t0: float, ranks: int = 2) -> np.ndarray:
     rows = np.zeros((len(steps) * ranks, NCOLS))
     for i, step in enumerate(steps):

@@ -21,7 +21,7 @@ from ..context import LEFT, PEER_GONE, RAISED, STOPPED, RankFailure, ended_alone
 from ..findings import Finding, Severity, format_ranks, severity_at
 from .distributed import CountDivergence, DistributedTiming, majority
 from .run import KILLED, RankEnd, RunAnalysis
-from .timing import few_steps_note
+from .timing import Stall, few_steps_note
 
 log = logging.getLogger(__name__)
 
@@ -684,14 +684,17 @@ def _stalls_reported_as_hangs(a: RunAnalysis) -> dict[int, int]:
     the waiting ranks were in, the stall the same step or the one before (the late rank's own), on a rank the
     report named."""
     t = a.timing
-    if not t.stalls or t.stall_share < STALL_MIN_SHARE or not a.ctx.hang_reports:
+    stalls = (
+        t.stalls if t.stall_share >= STALL_MIN_SHARE else ()
+    ) + t.warm_up_stalls  # (those: whatever share)
+    if not stalls or not a.ctx.hang_reports:
         return {}
     out: dict[int, int] = {}
     for i, f in enumerate(_hang_reports(a)):
         if not _gone_past(a, f, a.ctx.hang_reports[i].get("segment")):
             continue
         step = f.steps[0]
-        for s in t.stalls:
+        for s in stalls:
             if s.step in (step - 1, step) and (not f.ranks or s.rank in f.ranks) and s.step not in out:
                 out[s.step] = i
                 break
@@ -1386,18 +1389,15 @@ _STALL_ADVICE = {
 def stall(a: RunAnalysis) -> list[Finding]:
     """A few steps took many times the median and together a real share of wall time."""
     t = a.timing
+    reported = _stalls_reported_as_hangs(a)
+    early = [x for x in t.warm_up_stalls if x.step in reported]
+    out = [_start_up_stall(a, early, reported)] if early else []
     if not t.stalls or t.stall_share < STALL_MIN_SHARE:
-        return []
+        return out
     worst = t.stalls[0]
-    where = f"rank {worst.rank} spent {worst.phase_ms / 1e3:.2f} s in `{worst.phase}`"
-    if worst.phase == "comm":
-        where = (
-            f"every rank waited in communication, rank {worst.rank} the least ({worst.phase_ms / 1e3:.2f} s)"
-        )
-    elif worst.others_waited and a.world_size > 1:
-        where += f" while the other rank{'s' if a.world_size > 2 else ''} waited for it"
+    where = _stall_where(a, worst)
     listed = ", ".join(str(s.step) for s in t.stalls)
-    hangs = _stalls_reported_as_hangs(a)
+    hangs = {step: i for step, i in reported.items() if any(x.step == step for x in t.stalls)}
     seen_as_hang = ""
     if hangs:
         first = _hang_reports(a)[hangs[min(hangs)]]
@@ -1407,7 +1407,7 @@ def stall(a: RunAnalysis) -> list[Finding]:
             "on: a stall, not a hang."
         )
     severity = Severity.MED if t.stall_share >= STALL_MED_SHARE or hangs else Severity.LOW
-    return [
+    return out + [
         Finding(
             code="TIMING.STALL",
             severity=severity,
@@ -1425,6 +1425,49 @@ def stall(a: RunAnalysis) -> list[Finding]:
             evidence={"stall_share": t.stall_share, "wall_ms": worst.wall_ms, "phase_ms": worst.phase_ms},
         )
     ]
+
+
+def _stall_where(a: RunAnalysis, worst: Stall) -> str:
+    """Who held the stalled step up, and where."""
+    where = f"rank {worst.rank} spent {worst.phase_ms / 1e3:.2f} s in `{worst.phase}`"
+    if worst.phase == "comm":
+        return (
+            f"every rank waited in communication, rank {worst.rank} the least ({worst.phase_ms / 1e3:.2f} s)"
+        )
+    if worst.others_waited and a.world_size > 1:
+        where += f" while the other rank{'s' if a.world_size > 2 else ''} waited for it"
+    return where
+
+
+def _start_up_stall(a: RunAnalysis, early: list[Stall], reported: dict[int, int]) -> Finding:
+    """TIMING.STALL of warm-up steps the watchdog reported as a hang that every rank went on past (a
+    hang_timeout shorter than start-up): slow start-up, not a hang. Warm-up is otherwise not judged, so this
+    is said whatever its share of wall time, as the hang it replaces would have been."""
+    worst = max(early, key=lambda x: x.wall_ms)
+    steps = sorted(x.step for x in early)
+    first = _hang_reports(a)[reported[steps[0]]]
+    ratio = f", {worst.wall_ms / a.timing.median_ms:.0f}x the median step" if a.timing.median_ms > 0 else ""
+    return Finding(
+        code="TIMING.STALL",
+        severity=Severity.MED,
+        title=f"Step {worst.step} stalled for {worst.wall_ms / 1e3:.1f} s in warm-up",
+        detail=(
+            f"Step {worst.step} took {worst.wall_ms / 1e3:.2f} s{ratio}: {_stall_where(a, worst)}. The watchdog "
+            f"reported step{'s' if len(steps) > 1 else ''} {', '.join(map(str, steps))} as a hang at the time "
+            f"({first.title}; stacks/ holds where every rank was), and every rank then went on: slow start-up, "
+            "longer than the hang_timeout set, not a hang. Warm-up steps are otherwise left out of the timing "
+            "statistics: start-up work is expected there."
+        ),
+        recommendation=(
+            "Likely start-up work on the first steps (lazy initialisation, compilation, loaders starting, a first "
+            "checkpoint): nothing to fix if it comes once per launch. Set hang_timeout above it, or leave it "
+            '"auto": in warm-up, only ranks stuck 5 minutes inside a collective that another rank never reached '
+            "make a hang."
+        ),
+        ranks=(worst.rank,),
+        steps=tuple(steps),
+        evidence={"wall_ms": worst.wall_ms, "phase_ms": worst.phase_ms},
+    )
 
 
 GROWTH_MIN_RELATIVE = 0.10

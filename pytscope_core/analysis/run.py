@@ -58,7 +58,8 @@ def analyze(arrays: RunArrays, ctx: RunContext, loss_history: LossHistory | None
     wall = step_wall_ms(arrays)
     sizes = {s.index: s.world_size for s in ctx.segments}
     launch_size = launch_sizes(arrays.segment, sizes) if len(set(sizes.values())) > 1 else None
-    timing = step_timing(arrays, wall, phase_ms_per_step(arrays), launch_size)
+    hang_steps = [int(s) for h in ctx.hang_reports for s in h.get("steps", ())]
+    timing = step_timing(arrays, wall, phase_ms_per_step(arrays), launch_size, hang_steps)
     dist = distributed_timing(arrays, sel, ctx.comm_measured, ctx.parallelism, ctx.records_lost, ctx.joins)
     dist = with_placement(dist, ctx.placement)  # hosts and local ranks, for the report's per-rank table
     eff = efficiency(arrays, ctx, timing, dist, wall, sel)

@@ -60,6 +60,9 @@ class StepTiming:
     stalls: tuple[Stall, ...] = ()  # the longest stalled steps (`find_stalls`), longest first
     stall_share: float = 0.0  # wall the stalled steps took beyond the median step, as a share of all wall
     stall_count: int = 0  # stalled steps in all (`stalls` lists the longest)
+    # Warm-up steps the watchdog reported as a hang that every rank went on past, that stalled
+    # (`reported_warm_up`): apart, since the share, the jitter and the budget are the counted steps'.
+    warm_up_stalls: tuple[Stall, ...] = ()
 
     def phase(self, name: str) -> PhaseTiming:
         return next(p for p in self.phases if p.name == name)
@@ -125,14 +128,19 @@ def phase_ms_per_step(arrays: RunArrays) -> np.ndarray:
 
 
 def step_timing(
-    arrays: RunArrays, wall: np.ndarray, phase_ms: np.ndarray, launch_size: np.ndarray | None = None
+    arrays: RunArrays,
+    wall: np.ndarray,
+    phase_ms: np.ndarray,
+    launch_size: np.ndarray | None = None,
+    hang_steps: Sequence[int] = (),
 ) -> StepTiming:
     """Median, p95 and phase breakdown of the counted steps (`wall` (S,) and `phase_ms` (S, P) per step).
 
     Instability (jitter, stalls) is judged against each step's own kind of step: `launch_size` (S,) is the
     number of ranks each step's launch ran on (`launch_sizes`); a job resumed on other numbers of ranks has
     a typical step per size, and pooling them would make a stable run look unstable. So does a step of more
-    micro-batches (an accumulation schedule, an epoch's short last window): each count has its own."""
+    micro-batches (an accumulation schedule, an epoch's short last window): each count has its own.
+    `hang_steps`: the steps the watchdog's hang reports name (`reported_warm_up`)."""
     sel = statistics_steps(arrays)
     w = wall[sel]
     w = w[np.isfinite(w)]
@@ -150,6 +158,8 @@ def step_timing(
     jitter = above / float(wall[ok].sum()) if ok.any() and wall[ok].sum() > 0 else 0.0
     grows, grows_ms = _phase_that_grows(relative, phase_ms[ok])
     stalls, stall_share, stall_count = find_stalls(arrays, wall, ok, typical)
+    warm_up = reported_warm_up(arrays, wall, sel, typical, hang_steps)
+    early = find_stalls(arrays, wall, ok, typical, judged=warm_up)[0] if warm_up.any() else ()
     return StepTiming(
         steps_counted=int(w.size),
         median_ms=median,
@@ -163,6 +173,7 @@ def step_timing(
         stalls=stalls,
         stall_share=stall_share,
         stall_count=stall_count,
+        warm_up_stalls=early,
     )
 
 
@@ -200,8 +211,29 @@ def _typical_step(wall: np.ndarray, sel: np.ndarray, groups: np.ndarray) -> np.n
     return typical
 
 
+def reported_warm_up(
+    arrays: RunArrays, wall: np.ndarray, sel: np.ndarray, typical: np.ndarray, hang_steps: Sequence[int]
+) -> np.ndarray:
+    """(S,) bool: steps left out of the statistics (warm-up) that a hang report names, or the step before it
+    (the late rank's own: `rules._stalls_reported_as_hangs`), and that every rank went on past (a later step
+    on every rank). Warm-up is left out because start-up work is expected there; but a wait there that the
+    watchdog reported as a hang (a hang_timeout shorter than start-up), every rank then going on, was a
+    stall, and is judged as one: else the summary keeps it as a hang the run went on past."""
+    named = np.isin(arrays.steps, [s - d for s in hang_steps for d in (0, 1)]) & ~sel
+    if not named.any():
+        return named
+    everyone = np.flatnonzero(np.isfinite(arrays.wall_ms).all(axis=1))
+    gone_on = np.arange(arrays.n_steps) < (everyone[-1] if everyone.size else -1)
+    with np.errstate(invalid="ignore"):
+        return named & gone_on & np.isfinite(wall) & (typical > 0)
+
+
 def find_stalls(
-    arrays: RunArrays, wall: np.ndarray, counted: np.ndarray, typical: np.ndarray
+    arrays: RunArrays,
+    wall: np.ndarray,
+    counted: np.ndarray,
+    typical: np.ndarray,
+    judged: np.ndarray | None = None,
 ) -> tuple[tuple[Stall, ...], float, int]:
     """Stalls (a checkpoint or an evaluation left out of `paused()`, a recompilation, a storage hiccup): the
     longest STALL_LISTED of them, what all of them cost beyond the typical step, as a share of the counted
@@ -213,8 +245,12 @@ def find_stalls(
     step's when the stall came after the gradient all-reduce (a checkpoint before `optimizer.step()`), so the
     next step's wait is part of the same stall, not another one, and the stall costs the stalled rank's
     excess, once. A step that long for the job in which no rank's own work grew, and that does not wait for
-    an earlier stall, is a stall of the collective itself ("comm": every rank waited)."""
-    steps = np.flatnonzero(counted)
+    an earlier stall, is a stall of the collective itself ("comm": every rank waited).
+
+    `judged` (S,) bool: the steps to judge, where not the counted ones (`reported_warm_up`); each rank's
+    usual phases are still its counted steps'."""
+    counted_steps = np.flatnonzero(counted)
+    steps = counted_steps if judged is None else np.flatnonzero(judged)
     if steps.size == 0:
         return (), 0.0, 0
     comm = PHASES.index("comm")
@@ -240,7 +276,7 @@ def find_stalls(
         if r not in usual:
             with np.errstate(invalid="ignore"), warnings.catch_warnings():
                 warnings.simplefilter("ignore", RuntimeWarning)  # a phase without counted records
-                usual[r] = np.nanmedian(arrays.phases[steps, r][:, own_phases], axis=0)
+                usual[r] = np.nanmedian(arrays.phases[counted_steps, r][:, own_phases], axis=0)
         growth = np.nan_to_num(arrays.phases[i, r, own_phases] - usual[r], nan=-np.inf)
         p = own_phases[int(np.argmax(growth))]
         waits = np.nan_to_num(arrays.phases[i : i + 2, :, comm], nan=0.0)  # this step's and the next's
