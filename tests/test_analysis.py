@@ -1041,6 +1041,19 @@ def test_replica_drift_names_ranks_and_first_step():
     assert found and found[0].ranks == (2,) and found[0].steps[0] == 100
 
 
+def test_replica_drift_counts_a_step_checked_twice_once():
+    # The interval gather at step 120 and the final gather at finish() (step 120 again) both checked the same
+    # parameters: a run recorded so has four checks that disagree, not five.
+    checks = [ReplicaCheck(step, (2.0, 2.1)) for step in (60, 80, 100, 120, 120)]
+    ctx = RunContext(world_size=2, replica_checks=tuple(checks))
+    (drift,) = [f for f in diagnose(make_run(120, 2), ctx, strict=True) if f.code == "DIST.REPLICA_DRIFT"]
+    assert drift.steps == (60, 80, 100, 120)
+    assert "4 checks disagree." in drift.detail
+    agreeing = RunContext(world_size=2, replica_checks=(ReplicaCheck(40, (2.0, 2.0)), *checks))
+    (drift,) = [f for f in diagnose(make_run(120, 2), agreeing) if f.code == "DIST.REPLICA_DRIFT"]
+    assert "4 of 5 checks disagree." in drift.detail
+
+
 def test_hang_reports_are_reemitted():
     report = {
         "code": "DIST.HANG",

@@ -17,7 +17,16 @@ from collections.abc import Callable, Iterable
 
 import numpy as np
 
-from ..context import LEFT, PEER_GONE, RAISED, STOPPED, RankFailure, ended_alone, lost_a_peer
+from ..context import (
+    LEFT,
+    PEER_GONE,
+    RAISED,
+    STOPPED,
+    RankFailure,
+    ReplicaCheck,
+    ended_alone,
+    lost_a_peer,
+)
 from ..findings import Finding, Severity, format_ranks, severity_at
 from .distributed import CountDivergence, DistributedTiming, majority
 from .run import KILLED, RankEnd, RunAnalysis
@@ -576,7 +585,7 @@ def _drift(sums: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 @rule("DIST.REPLICA_DRIFT")
 def replica_drift(a: RunAnalysis) -> list[Finding]:
     """Parameter checksums differing from the majority beyond REPLICA_REL_TOL."""
-    checks = a.ctx.replica_checks
+    checks = _one_check_per_step(a.ctx.replica_checks)
     if not checks:
         return []
     width = max(len(c.checksums) for c in checks)
@@ -612,7 +621,7 @@ def replica_drift(a: RunAnalysis) -> list[Finding]:
             title="Data-parallel replicas no longer hold the same parameters",
             detail=(
                 f"From step {int(steps[first])} {which} by {rel:.2e} (relative; tolerance {REPLICA_REL_TOL:g}); "
-                f"{rows.size} of {len(checks)} checks disagree.{who} Training is no longer equivalent to one worker."
+                f"{_disagree(rows.size, len(checks))}.{who} Training is no longer equivalent to one worker."
             ),
             recommendation=(
                 "Check for parameters updated outside DDP's gradient sync first: buffers or weights changed "
@@ -624,6 +633,22 @@ def replica_drift(a: RunAnalysis) -> list[Finding]:
             evidence={"first_step": float(steps[first]), "relative_difference": rel},
         )
     ]
+
+
+def _one_check_per_step(checks: Iterable[ReplicaCheck]) -> list[ReplicaCheck]:
+    """The checks, one per step (the last made there), in the order their steps were first checked: the final
+    gather at finish() checks again at the step the last interval gather checked (one step's parameters,
+    recorded twice), which counted twice read "5 of 5 checks disagree" for 4. Runs recorded so read right."""
+    last = {c.step: c for c in checks}  # (a key keeps its first place; its value is the last check's)
+    return list(last.values())
+
+
+def _disagree(n: int, checks: int) -> str:
+    """How many checks disagree: a run records only those that do, so "4 of 4" would read as if every check
+    disagreed, those before the first that did (that agreed) included."""
+    if n < checks:
+        return f"{n} of {checks} checks disagree"
+    return f"{n} check{'s disagree' if n != 1 else ' disagrees'}"
 
 
 @rule("DIST.HANG")
