@@ -387,9 +387,17 @@ def _end_at_exit(scope: Scope, error_before: BaseException | None) -> None:
     """The interpreter is exiting and the run was not ended. After an unhandled exception the other ranks are
     blocked in the step this process left and will not come to a final gather: this rank only stops (its
     records go to its own file, with the exception). Otherwise the user forgot `finish()`: finish. An
-    interactive session keeps its last error (`error_before`, or one a later cell raised and survived)."""
+    interactive session keeps its last error (`error_before`, or one a later cell raised and survived). A
+    Ctrl-C is the KeyboardInterrupt it raised, also where the process caught it and exited without error (a
+    worker of `torch.multiprocessing.spawn` does): an interrupted rank, not one that forgot finish()."""
     error = getattr(sys, "last_value", None)  # set by the interpreter for the exception that ends it
     interactive = hasattr(sys, "ps1") or "IPython" in sys.modules
+    if (
+        (error is None or error is error_before)
+        and scope.session is not None
+        and scope.session.interrupt.seen
+    ):
+        error = KeyboardInterrupt()
     if error is not None and error is not error_before and not interactive:
         scope.stop(f"the process {raised(error)}")
     else:

@@ -2,10 +2,11 @@
 
 `Scope.start()` creates it (collectively): the `Coordinator` agrees on the run directory and tells rank 0
 where every rank runs; on rank 0 the `RunReporter` opens it and `LiveDiagnosis` starts on its own ingest
-thread (`BackgroundIngest`); every rank starts its hang `Watchdog`, chains SIGTERM and times the loop's
-torch.distributed collectives (`TorchCollectives`). From then on the session gathers every `interval` steps,
-and at the end either meets the other ranks for a final gather (`finish`) or, when they may be gone, leaves
-its own rows behind (`stop`); rank 0 drains its ingest thread before the summary reads the run.
+thread (`BackgroundIngest`); every rank starts its hang `Watchdog`, chains SIGTERM (and notes a SIGINT that
+torch.multiprocessing would swallow) and times the loop's torch.distributed collectives (`TorchCollectives`).
+From then on the session gathers every `interval` steps, and at the end either meets the other ranks for a
+final gather (`finish`) or, when they may be gone, leaves its own rows behind (`stop`); rank 0 drains its
+ingest thread before the summary reads the run.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from .findings import Finding
 from .records import COL
 from .rundir import run_warmup
 from .shards import uneven_shards_finding
-from .signals import SigtermChain
+from .signals import InterruptNote, SignalChain
 from .untrained import UntrainedAlert
 
 # (imported now: it binds the clocks early)
@@ -81,8 +82,10 @@ class RunSession:
             scope.note(NO_OPTIMIZER)
         self._watchdog: Any = None
         self.own_rows = OwnRows(scope, self.run_dir, self._epoch_offset)
-        self._sigterm = SigtermChain(self._on_sigterm)
+        self._sigterm = SignalChain(self._on_sigterm)
         self._sigterm.install()
+        self.interrupt = InterruptNote()  # (a Ctrl-C that torch.multiprocessing's worker swallows)
+        self.interrupt.install()
         self._collectives = TorchCollectives(scope.hooks, scope.fail)  # the loop's `dist.barrier()`, ...
         if scope.options.hang_timeout is not None:
             self._start_watchdog()
@@ -348,6 +351,7 @@ class RunSession:
             self.untrained.remove()
         self.stop_watching()
         self._sigterm.restore()
+        self.interrupt.restore()
         self._collectives.remove()
         if self.ingest is not None:
             self.ingest.close(timeout_s=HANG_DRAIN_S)

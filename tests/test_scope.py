@@ -1156,6 +1156,33 @@ def test_a_peer_gone_during_the_scopes_gather_is_not_called_its_internal_error()
     assert disabled_message(ValueError("x")).startswith("internal error, scope disabled")
 
 
+def test_a_sigint_is_noted_only_inside_a_worker_that_swallows_it_and_only_over_pythons_own_handler():
+    from pytscope_core.signals import SignalChain, interrupts_swallowed
+
+    spawn = {"__name__": "torch.multiprocessing.spawn"}  # (its worker's wrapper catches KeyboardInterrupt)
+    exec("def _wrap(fn):\n    return fn()", spawn)
+    assert spawn["_wrap"](interrupts_swallowed) and not interrupts_swallowed()
+    seen = []
+    chain = SignalChain(lambda: seen.append("noted"), signal.SIGINT, only_over=signal.default_int_handler)
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        chain.install()
+        with pytest.raises(KeyboardInterrupt):  # what the Ctrl-C did before: unchanged
+            signal.raise_signal(signal.SIGINT)
+            time.sleep(1)
+        chain.restore()
+        assert seen == ["noted"] and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+        def own(signum, frame):  # a process's own handler (a graceful stop): left alone
+            pass
+
+        signal.signal(signal.SIGINT, own)
+        chain.install()
+        assert signal.getsignal(signal.SIGINT) is own
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
 def test_a_stop_the_training_caused_is_a_note_and_a_limit_is_said_by_rank_0_only(
     tmp_path, capsys, monkeypatch
 ):
