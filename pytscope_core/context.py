@@ -57,6 +57,9 @@ class ReplicaCheck:
 
 RAISED = " raised "
 """In the reason a rank wrote its own rows with, when an exception ended it ("the fit raised ...")."""
+DIED = " died of "
+"""...and when a fatal signal ended it ("the process died of SIGABRT in all_reduce, called from train.py line
+91"), read from the dump faulthandler wrote for it (`signals.ProcessEnds`): no Python of the rank ran then."""
 LEFT = " left the job "
 """...and when it ended without finish() while another rank waited for it ("the process left the job ...")."""
 STOPPED = "stopped without a final gather: "

@@ -18,6 +18,7 @@ from rich.text import Text
 from .analysis.convergence import TREND_MIN_STEPS
 from .analysis.efficiency import SegmentSpan
 from .analysis.timing import few_steps_note
+from .context import DIED
 from .findings import Finding, Severity, format_ranks
 from .summary import Summary
 
@@ -147,6 +148,12 @@ def _no_summary(summary: Summary) -> str:
     said = {e.rank: e.reason for e in r.rank_ends}
     if len(said) >= r.world_size and all(why.startswith("SIGTERM") for why in said.values()):
         return "no end-of-run summary: SIGTERM stopped every rank (each wrote its own records first)"
+    died = next((e for e in r.rank_ends if DIED in e.reason), None)
+    if died is not None:  # (the launcher then ends the others)
+        signal = died.reason.split(DIED, 1)[1].split(" ", 1)[0]
+        return (
+            f"no end-of-run summary: rank {died.rank} died of {signal} (a fatal signal), and the job with it"
+        )
     return "no end-of-run summary: killed (SIGKILL, out of memory, a hang's abort) or still running"
 
 

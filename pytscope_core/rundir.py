@@ -8,17 +8,21 @@ Layout (all plain data, append-only while training):
   scalars.jsonl  rank 0's extra logged scalars, one line per step and segment (a resume replays steps)
   ranks/rank<N>.f64, ranks/rank<N>.jsonl   rows a rank wrote itself when it could not wait for a gather (a hang,
                  SIGTERM, a rank missing at finish), and why; merged with steps.f64 on reading
+  ranks/rank<N>.fatal   faulthandler's dump of a rank's Python threads where a fatal signal ended it (SIGABRT,
+                 SIGSEGV ...), under a header line per launch; removed by a launch that ends without one
   summary.json / summary.txt   the end-of-run summary (atomically, at the end)
 A process killed at any moment loses at most the rows not yet gathered: a torn last row or line is ignored.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import json
 import math
 import os
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -30,7 +34,17 @@ from typing import Any, TypeVar
 import numpy as np
 
 from .arrays import RunArrays
-from .context import LEFT, NOT_FAILURES, RAISED, CountsCheck, RankFailure, ReplicaCheck, RunContext, Segment
+from .context import (
+    DIED,
+    LEFT,
+    NOT_FAILURES,
+    RAISED,
+    CountsCheck,
+    RankFailure,
+    ReplicaCheck,
+    RunContext,
+    Segment,
+)
 from .findings import Finding
 from .records import COL, COLUMNS, NCOLS, PHASE_COLS
 
@@ -230,6 +244,7 @@ def read_rank_files(
     every = np.concatenate([known, rows])
     segments = every[:, COL["segment"]]
     reasons: dict[int, str] = {}
+    said: dict[int, int] = {}  # the launch of each rank's reason kept
     failures: list[RankFailure] = []
     for n in rank_files(".jsonl"):
         text = _read_or_note(partial((folder / n).read_text, errors="replace"), f"ranks/{n}", problems, "")
@@ -261,12 +276,90 @@ def read_rank_files(
                     reasons.pop(rank, None)
                     continue
                 reasons[rank] = reason
+                said[rank] = entry.get("segment") if isinstance(entry.get("segment"), int) else -1
             except (ValueError, KeyError, TypeError, OverflowError, RecursionError):
                 unreadable += 1
         if unreadable:
             problems.append(f"{unreadable} unreadable line(s) of ranks/{n} skipped")
+    for n in rank_files(".fatal"):
+        text = _read_or_note(partial((folder / n).read_text, errors="replace"), f"ranks/{n}", problems, "")
+        end = fatal_end(text)
+        if end is None or n != f"rank{end[0]}.fatal":
+            continue
+        rank, launch, reason = end
+        mine = every[:, COL["rank"]] == rank
+        # Its own word in that launch or a later one comes first (an exception, then an abort on the way out);
+        # a rank that trained on in a later launch is not ended by it.
+        if said.get(rank, -2) >= launch or (segments[mine] > launch).any():
+            continue
+        steps = every[:, COL["step"]][mine & (segments == launch)]
+        last = int(np.nanmax(steps)) if steps.size else None
+        at = _written_at(folder / n)  # (the dump's time: nothing writes the file after it)
+        failures.append(RankFailure(rank, reason, last, at, bool((segments > launch).any()), launch))
+        reasons[rank] = reason
     failures.sort(key=lambda f: (f.t is None, f.t or 0.0, _follows_a_peer(f.reason), f.rank))
     return rows, reasons, failures
+
+
+def _written_at(f: Path) -> float | None:
+    try:
+        return f.stat().st_mtime
+    except OSError:
+        return None
+
+
+FATAL_SIGNALS = {
+    "Aborted": "SIGABRT",
+    "Segmentation fault": "SIGSEGV",
+    "Bus error": "SIGBUS",
+    "Illegal instruction": "SIGILL",
+    "Floating point exception": "SIGFPE",
+}
+"""faulthandler's name of each fatal signal ("Fatal Python error: Aborted")."""
+_FRAME = re.compile(r'^  File "(.*)", line (\d+) in (.*)$')
+_THREAD = re.compile(r"^(?:Current thread|Thread) (0x[0-9a-f]+) \(most recent call first\):$")
+LIBRARY_PATHS = ("site-packages", "dist-packages", "/lib/python3", "pytscope_core", "pytscope_lightning")
+"""In the path of a frame that is not the training code's: installed packages, Python's own, pytscope's."""
+
+
+def fatal_end(text: str) -> tuple[int, int, str] | None:
+    """(rank, launch, reason) of the last launch in a rank's .fatal file whose header a dump follows: "the
+    process died of SIGABRT in all_reduce, called from train.py line 91" (the main thread's innermost call
+    and the training code's line it came from, where its stack has them); None without one."""
+    header: dict[str, Any] | None = None
+    dump: list[str] = []
+    found = None
+    for line in [*text.splitlines(), '{"pytscope": "fatal"}']:  # (a last header closes the last dump)
+        if line.startswith('{"pytscope"'):
+            if header is not None and any(x.strip() for x in dump):
+                found = (header, dump)
+            with contextlib.suppress(ValueError):
+                header, dump = json.loads(line), []
+        else:
+            dump.append(line)
+    if found is None:
+        return None
+    header, dump = found
+    rank, launch = header.get("rank"), header.get("segment")
+    if not isinstance(rank, int) or not isinstance(launch, int):
+        return None
+    said = next((x.split(":", 1)[1].strip() for x in dump if x.startswith("Fatal Python error:")), "")
+    reason = f"the process{DIED}{FATAL_SIGNALS.get(said, said or 'a fatal signal')}"
+    frames, thread = [], None
+    for line in dump:
+        heading, frame = _THREAD.match(line), _FRAME.match(line)
+        if heading:
+            thread = heading.group(1)
+        elif frame and thread == header.get("main_thread"):
+            frames.append(frame.groups())
+    own = next((f for f in frames if not any(part in f[0] for part in LIBRARY_PATHS)), None)
+    if frames and own is frames[0]:
+        reason += f" at {os.path.basename(own[0])} line {own[1]}"
+    elif frames:
+        reason += f" in {frames[0][2]}"
+        if own is not None:
+            reason += f", called from {os.path.basename(own[0])} line {own[1]}"
+    return rank, launch, reason
 
 
 FOLLOWS_A_PEER = ("by peer", "remote worker", "communicator was aborted")

@@ -395,7 +395,7 @@ def _end_at_exit(scope: Scope, error_before: BaseException | None) -> None:
     if (
         (error is None or error is error_before)
         and scope.session is not None
-        and scope.session.interrupt.seen
+        and scope.session.ends.interrupted
     ):
         error = KeyboardInterrupt()
     if error is not None and error is not error_before and not interactive:

@@ -2,8 +2,8 @@
 
 `Scope.start()` creates it (collectively): the `Coordinator` agrees on the run directory and tells rank 0
 where every rank runs; on rank 0 the `RunReporter` opens it and `LiveDiagnosis` starts on its own ingest
-thread (`BackgroundIngest`); every rank starts its hang `Watchdog`, chains SIGTERM (and notes a SIGINT that
-torch.multiprocessing would swallow) and times the loop's torch.distributed collectives (`TorchCollectives`).
+thread (`BackgroundIngest`); every rank starts its hang `Watchdog`, chains SIGTERM, keeps word of the ends
+no Python of its own would tell (`ProcessEnds`) and times the loop's torch.distributed collectives.
 From then on the session gathers every `interval` steps, and at the end either meets the other ranks for a
 final gather (`finish`) or, when they may be gone, leaves its own rows behind (`stop`); rank 0 drains its
 ingest thread before the summary reads the run.
@@ -33,7 +33,7 @@ from .findings import Finding
 from .records import COL
 from .rundir import run_warmup
 from .shards import uneven_shards_finding
-from .signals import InterruptNote, SignalChain
+from .signals import ProcessEnds, SignalChain
 from .untrained import UntrainedAlert
 
 # (imported now: it binds the clocks early)
@@ -84,8 +84,8 @@ class RunSession:
         self.own_rows = OwnRows(scope, self.run_dir, self._epoch_offset)
         self._sigterm = SignalChain(self._on_sigterm)
         self._sigterm.install()
-        self.interrupt = InterruptNote()  # (a Ctrl-C that torch.multiprocessing's worker swallows)
-        self.interrupt.install()
+        self.ends = ProcessEnds(self.run_dir, self.rank, scope.segment)  # (Ctrl-C, fatal signals)
+        self.ends.install()
         self._collectives = TorchCollectives(scope.hooks, scope.fail)  # the loop's `dist.barrier()`, ...
         if scope.options.hang_timeout is not None:
             self._start_watchdog()
@@ -351,7 +351,7 @@ class RunSession:
             self.untrained.remove()
         self.stop_watching()
         self._sigterm.restore()
-        self.interrupt.restore()
+        self.ends.restore()
         self._collectives.remove()
         if self.ingest is not None:
             self.ingest.close(timeout_s=HANG_DRAIN_S)

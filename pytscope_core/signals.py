@@ -4,17 +4,23 @@ never changes what a signal does to a job.
 SIGTERM: launchers send it before SIGKILL, and a rank should leave its ungathered steps behind; the previous
 handler is Lightning's own, or the default action (end the process). SIGINT (Ctrl-C), only where something
 catches the KeyboardInterrupt it raises and ends the process quietly (`interrupts_swallowed`), and only over
-Python's own handler: the callback notes the interrupt, which nothing else would leave behind.
+Python's own handler: the callback notes the interrupt, which nothing else would leave behind. Fatal signals
+(SIGABRT, SIGSEGV ...), which no Python handler survives: faulthandler's C handler writes the rank's Python
+stacks, then hands the signal on (`ProcessEnds`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import faulthandler
+import json
 import os
 import signal
+import struct
 import sys
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from types import FrameType
 from typing import Any
 
@@ -84,21 +90,90 @@ def interrupts_swallowed() -> bool:
     return False
 
 
-class InterruptNote:
-    """Notes a SIGINT (`seen`) where the process's work runs inside a function that swallows the
-    KeyboardInterrupt (`interrupts_swallowed`), chained over Python's own handler: the rank then reads as
-    interrupted at exit, not as one that forgot finish(). Nothing is installed elsewhere."""
+class ProcessEnds:
+    """What would otherwise leave no word of how this rank's process ended: a Ctrl-C that a worker of
+    torch.multiprocessing.spawn swallows (`interrupted`: it exits with code 0, no exception left for the
+    scope's at-exit end), and a fatal signal, in whose handler no Python runs (SIGABRT: a C++ error that calls
+    abort(), e.g. gloo's enforce on a collective mismatch, NCCL's watchdog; SIGSEGV, SIGBUS, SIGILL, SIGFPE).
 
-    def __init__(self) -> None:
-        self.seen = False
-        self._chain = SignalChain(self._note, signal.SIGINT, only_over=signal.default_int_handler)
+    The fatal signals: faulthandler's dump of every Python thread, written by its C handler into
+    ranks/rank<N>.fatal under a header line of ours (the launch, the main thread's id), which then hands the
+    signal to the handler before it: the process dies as it would have, with the same signal and exit code.
+    Not where faulthandler is on already (the user's own, or torchrun's @record: theirs is kept); never in
+    a process forked from this one (a DataLoader worker's crash is not this rank's); a launch that ends
+    without one leaves the file as it found it (`restore`)."""
+
+    def __init__(self, run_dir: Path, rank: int, segment: int) -> None:
+        self.path = run_dir / "ranks" / f"rank{rank}.fatal"
+        self.header = json.dumps(
+            {"pytscope": "fatal", "rank": rank, "segment": segment, "main_thread": thread_id()}
+        )
+        self.interrupted = False
+        self._sigint = SignalChain(self._interrupt, signal.SIGINT, only_over=signal.default_int_handler)
+        self._file: Any = None
+        self._size = 0  # the file's size before our header
 
     def install(self) -> None:
         if interrupts_swallowed():
-            self._chain.install()
+            self._sigint.install()
+        if faulthandler.is_enabled():
+            return
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(self.path, "a")  # (kept open: the handler writes to its descriptor)
+            self._size = self._file.tell()
+            self._file.write(self.header + "\n")
+            self._file.flush()
+            faulthandler.enable(file=self._file, all_threads=True)
+        except (OSError, ValueError, RuntimeError):
+            self._close()
+            return
+        _DUMPING.add(self)
+        _forget_in_children()
 
     def restore(self) -> None:
-        self._chain.restore()
+        self._sigint.restore()
+        if self._file is not None:
+            _DUMPING.discard(self)
+            faulthandler.disable()
+            self._close()
 
-    def _note(self) -> None:
-        self.seen = True
+    def _close(self) -> None:
+        """Close the file, cut back to what it held before (no fatal signal came), removed if that was nothing."""
+        file, self._file = self._file, None
+        if file is None:
+            return
+        with contextlib.suppress(OSError, ValueError):
+            file.truncate(self._size)
+        with contextlib.suppress(OSError, ValueError):
+            file.close()
+            if self._size == 0:
+                self.path.unlink()
+                self.path.parent.rmdir()  # (where it is empty: the ranks' own records go there too)
+
+    def _interrupt(self) -> None:
+        self.interrupted = True
+
+
+def thread_id() -> str:
+    """The main thread's id as faulthandler writes it ("0x" and zero-padded hex of the pointer's width)."""
+    ident = threading.main_thread().ident or 0
+    return f"0x{ident:0{2 * struct.calcsize('P')}x}"
+
+
+_DUMPING: set[ProcessEnds] = set()  # those whose dump is on (faulthandler's setting is the process's)
+_HOOKED: list[bool] = []  # the fork hook, registered once a process (it cannot be removed)
+
+
+def _forget_in_children() -> None:
+    if not _HOOKED and hasattr(os, "register_at_fork"):
+        os.register_at_fork(after_in_child=_child_forgets)
+        _HOOKED.append(True)
+
+
+def _child_forgets() -> None:
+    """A forked process (a DataLoader worker) does not write into its parent's file: a crash of its own would
+    read as the rank's. It ends as it would have without pytscope, with faulthandler off."""
+    if _DUMPING:
+        _DUMPING.clear()
+        faulthandler.disable()

@@ -12,7 +12,7 @@ from pytscope_core.analysis import diagnose
 from pytscope_core.cli import main
 from pytscope_core.findings import Finding, Severity
 from pytscope_core.records import COL, COLUMNS, NCOLS
-from pytscope_core.rundir import MAX_WORLD, RunWriter, append_rank_rows, load_run
+from pytscope_core.rundir import MAX_WORLD, RunWriter, append_rank_rows, fatal_end, load_run
 from pytscope_core.summary import summarize
 
 
@@ -392,9 +392,12 @@ def test_a_rank_killed_without_a_word_is_named_not_the_lost_connection_that_foll
     append_rank_rows(tmp_path / "r", 0, own_rows(rows_for(steps=19, first=51), 0), GLOO_RESET)
     (failed,) = [f for f in findings_of(tmp_path / "r") if f.code == "RUN.FAILED"]
     assert failed.severity is Severity.HIGH and failed.ranks == (1,) and failed.steps == (50,)
-    assert failed.title.startswith("rank 1 was killed (no error of its own; records end at step 50)")
+    assert failed.title.startswith(
+        "rank 1 was killed or aborted (no error of its own; records end at step 50)"
+    )
     assert "Rank 0 then raised RuntimeError: … Connection reset by peer after step 69" in failed.detail
     assert "rank 1's process died" in failed.recommendation and "dmesg" in failed.recommendation
+    assert "aborted (SIGABRT" in failed.detail and "-6 SIGABRT" in failed.recommendation
     assert "Read rank 0" not in failed.recommendation
     # The same under NCCL: its remote error, or the abort of the communicator that followed, is no cause.
     for n, nccl in enumerate(NCCL_LOST):
@@ -409,6 +412,64 @@ def test_a_rank_killed_without_a_word_is_named_not_the_lost_connection_that_foll
     append_rank_rows(tmp_path / "k", 1, own_rows(rows_for(steps=29), 1), GLOO_RESET)
     (failed,) = [f for f in findings_of(tmp_path / "k") if f.code == "RUN.FAILED"]
     assert failed.ranks == (0,) and failed.steps == () and "no records" in failed.title, failed
+
+
+FATAL_DUMP = """Fatal Python error: Aborted
+
+Thread 0x00007ff5b25fc6c0 (most recent call first):
+  File "/usr/lib/python3.11/threading.py", line 331 in wait
+  File "/opt/venv/lib/python3.11/site-packages/pytscope_core/watchdog.py", line 575 in run
+
+Thread 0x00007ff5e15e8b80 (most recent call first):
+  File "/opt/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py", line 3252 in all_reduce
+  File "/opt/venv/lib/python3.11/site-packages/torch/distributed/c10d_logger.py", line 83 in wrapper
+  File "/home/me/train.py", line 91 in <module>
+
+Extension modules: numpy._core._multiarray_umath, torch._C (total: 2)
+"""
+
+
+def fatal_file(path, rank, dump="", segment=0, earlier=""):
+    header = json.dumps(
+        {"pytscope": "fatal", "rank": rank, "segment": segment, "main_thread": "0x00007ff5e15e8b80"}
+    )
+    (path / "ranks").mkdir(parents=True, exist_ok=True)
+    (path / "ranks" / f"rank{rank}.fatal").write_text(f"{earlier}{header}\n{dump}")
+
+
+def test_a_rank_a_fatal_signal_ended_is_named_with_the_signal_and_where_not_as_killed(tmp_path, capsys):
+    # gloo aborted rank 1 on a collective mismatch (C++ std::terminate: SIGABRT) after the gather of step 50:
+    # no Python ran, and it read "killed (SIGKILL: the out-of-memory killer ...)". faulthandler's dump of its
+    # threads says how it died, and where its main thread was.
+    write_run(tmp_path / "r", steps=50)
+    append_rank_rows(tmp_path / "r", 0, own_rows(rows_for(steps=19, first=51), 0), GLOO_RESET)
+    fatal_file(tmp_path / "r", 1, FATAL_DUMP)
+    fatal_file(tmp_path / "r", 0)  # rank 0's header alone: SIGTERM ended it, no fatal signal
+    run = load_run(tmp_path / "r")
+    (failed,) = [f for f in findings_of(tmp_path / "r") if f.code == "RUN.FAILED"]
+    assert failed.ranks == (1,) and failed.steps == (50,) and failed.severity is Severity.HIGH
+    assert failed.title == "rank 1 died after step 50: SIGABRT in all_reduce, called from train.py line 91"
+    assert "collective mismatch" in failed.detail and "TORCH_DISTRIBUTED_DEBUG" in failed.recommendation
+    assert "dmesg" not in failed.recommendation and "killed" not in failed.title
+    ends = {e.rank: e.reason for e in summarize(run.arrays, run.context).run.rank_ends}
+    assert ends[1] == "the process died of SIGABRT in all_reduce, called from train.py line 91"
+    assert main(["report", str(tmp_path / "r")]) == 0
+    said = " ".join(capsys.readouterr().out.split())
+    assert "end no end-of-run summary: rank 1 died of SIGABRT (a fatal signal), and the job with it" in said
+    # A launch that ended without one (the header alone) after an earlier launch's dump, which a resume
+    # went on past: no death in this launch.
+    assert fatal_end("") is None
+    header_only = json.dumps({"pytscope": "fatal", "rank": 1, "segment": 1, "main_thread": "0x1"})
+    earlier = json.dumps({"pytscope": "fatal", "rank": 1, "segment": 0, "main_thread": "0x00007ff5e15e8b80"})
+    assert fatal_end(f"{earlier}\n{FATAL_DUMP}{header_only}\n")[:2] == (1, 0)
+    segv = FATAL_DUMP.replace("Aborted", "Segmentation fault").replace("distributed_c10d.py", "x.py")
+    assert fatal_end(f"{earlier}\n{segv}")[2].startswith("the process died of SIGSEGV in all_reduce")
+    # The rank's own word in that launch comes first: an exception, then an abort on its way out.
+    write_run(tmp_path / "e", steps=50)
+    append_rank_rows(tmp_path / "e", 1, np.empty((0, NCOLS)), "the process raised ValueError: bad", 50)
+    fatal_file(tmp_path / "e", 1, FATAL_DUMP)
+    (failed,) = [f for f in findings_of(tmp_path / "e") if f.code == "RUN.FAILED"]
+    assert failed.title == "rank 1 failed after step 50: ValueError: bad"
 
 
 def test_a_rank_that_finished_alone_is_named_not_the_lost_connection_that_followed(tmp_path):
@@ -462,7 +523,9 @@ def test_rank_0s_stopped_note_is_headed_by_the_failure_run_failed_names(tmp_path
     stopped_note(tmp_path / "k", GLOO_RESET)
     run = load_run(tmp_path / "k")
     (note,) = summarize(run.arrays, run.context).scope_notes
-    assert note.startswith("stopped without a final gather: rank 1 was killed (no error of its own; records")
+    assert note.startswith(
+        "stopped without a final gather: rank 1 was killed or aborted (no error of its own; records"
+    )
     # Rank 0's own failure, the run's first, is the note's cause as it stands.
     write_run(tmp_path / "o", steps=40)
     append_rank_rows(tmp_path / "o", 0, empty, "the process raised ValueError: bad batch", 40)

@@ -606,7 +606,7 @@ def test_a_flush_cut_short_by_a_second_sigterm_is_done_by_the_next_caller(tmp_pa
         for step in range(1, 31):
             model(torch.randn(2, 4)).sum().backward(); opt.step(); opt.zero_grad()
         os.kill(os.getpid(), signal.SIGTERM)
-        assert raised and not (rundir.Path({str(tmp_path)!r}) / "ranks").exists()
+        assert raised and not (rundir.Path({str(tmp_path)!r}) / "ranks" / "rank0.jsonl").exists()
         scope.session.own_rows.flush("the fit raised RuntimeError")
         os._exit(0)  # ends like a killed job: no final gather
     """)
@@ -1154,6 +1154,40 @@ def test_a_peer_gone_during_the_scopes_gather_is_not_called_its_internal_error()
         gone.startswith("another rank left the job while this one waited for it") and "scope disabled" in gone
     )
     assert disabled_message(ValueError("x")).startswith("internal error, scope disabled")
+
+
+@pytest.mark.parametrize("who", ["the rank", "a process it forked", "nobody"])
+def test_a_fatal_signal_is_written_where_no_python_runs_and_the_process_dies_as_it_would_have(tmp_path, who):
+    # abort() (C++'s std::terminate: gloo on a collective mismatch) ends a process with no Python run: its
+    # rank read as killed. faulthandler's dump, into the rank's own file, says how it died and where; the
+    # process still dies of SIGABRT. A forked process's crash (a DataLoader worker) is not the rank's, and a
+    # run that ends well leaves no file behind.
+    script = textwrap.dedent(f"""
+        import os, torch
+        from pytscope_core import Scope
+        model = torch.nn.Linear(4, 1); opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        scope = Scope({str(tmp_path / "run")!r}, console=False, hang_timeout=None, interval=10)
+        scope.watch(model, opt)
+        for step in range(1, 31):
+            if step == 25 and {who!r} == "a process it forked":
+                child = os.fork()
+                if child == 0:
+                    os.abort()
+                os.waitpid(child, 0)
+            if step == 25 and {who!r} == "the rank":
+                os.abort()
+            model(torch.randn(2, 4)).sum().backward(); opt.step(); opt.zero_grad()
+        scope.finish()
+    """)
+    proc = run_job(tmp_path, script)
+    run = load_run(tmp_path / "run")
+    ends = [(e.rank, e.last_step, e.reason) for e in summarize(run.arrays, run.context).run.rank_ends]
+    if who == "the rank":
+        assert proc.returncode == -signal.SIGABRT, proc.stderr
+        assert ends == [(0, 20, "the process died of SIGABRT at job.py line 14")]
+    else:
+        assert proc.returncode == 0, proc.stderr
+        assert ends == [] and not (tmp_path / "run" / "ranks").exists()
 
 
 def test_a_sigint_is_noted_only_inside_a_worker_that_swallows_it_and_only_over_pythons_own_handler():

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable
 import numpy as np
 
 from ..context import (
+    DIED,
     LEFT,
     PEER_GONE,
     RAISED,
@@ -771,6 +772,8 @@ def stopped_note(a: RunAnalysis, note: str) -> str:
 
 
 def _failure(a: RunAnalysis, first: RankFailure, same: list[RankFailure]) -> Finding:
+    if DIED in first.reason:
+        return _died(a, first, same)
     others = [f for f in same if f.rank != first.rank]
     after = "" if first.last_step is None else f" after step {first.last_step}"
     left = LEFT in first.reason  # (it ended without finish() while another rank waited for it)
@@ -826,6 +829,52 @@ def _failure(a: RunAnalysis, first: RankFailure, same: list[RankFailure]) -> Fin
     )
 
 
+def _died(a: RunAnalysis, first: RankFailure, same: list[RankFailure]) -> Finding:
+    """RUN.FAILED for a rank a fatal signal ended, as the dump faulthandler wrote for it says."""
+    rank, after = first.rank, "" if first.last_step is None else f" after step {first.last_step}"
+    records = (
+        " It died before its first gather."
+        if first.last_step is None
+        else f" Its records end at step {first.last_step}: later steps, if any, were never gathered."
+    )
+    what = first.reason.split(DIED, 1)[1]  # "SIGABRT in all_reduce, called from train.py line 91"
+    others = sorted({f.rank for f in same if f.rank != rank})
+    them = f"Rank{'s' if len(others) > 1 else ''} {format_ranks(others)}"
+    followed = f" {them} raised after it, most likely because rank {rank} was gone." if others else ""
+    if what.startswith("SIGABRT"):
+        cause = (
+            " SIGABRT is abort(): an error in C++ code ended the process, e.g. gloo's check that a "
+            'collective received the size it expected ("Is there a distributed collective mismatch in your '
+            'code?": the ranks called different collectives there, or the same one on tensors of different '
+            "sizes), or NCCL's watchdog after a collective failed or timed out."
+        )
+        advice = (
+            f"Read rank {rank}'s log just before it died: the C++ error (\"terminate called after throwing "
+            '…" and its what()) says why. For a collective mismatch, compare the collectives the ranks call '
+            "there: one that some ranks call and others do not (rank-dependent control flow), or tensors of "
+            "different sizes; TORCH_DISTRIBUTED_DEBUG=DETAIL checks each collective's arguments across ranks."
+        )
+    else:
+        cause = " A crash in native code: a C/C++ or CUDA extension, a library, the driver."
+        advice = (
+            f"Read rank {rank}'s log and its Python stacks (ranks/rank{rank}.fatal) for where it crashed."
+        )
+    return Finding(
+        code="RUN.FAILED",
+        severity=Severity.MED if first.resumed_past else Severity.HIGH,
+        title=f"rank {rank} died{after}: {what}"[:160],
+        detail=(
+            f"{a.ctx.placement.describe(rank).capitalize()} died of {what}: a fatal signal, which no Python "
+            f"code of the rank survives (its Python stacks as it died: ranks/rank{rank}.fatal).{cause}"
+            f"{records}{followed}{_ended(first)}"
+        ),
+        recommendation=advice + (f" What {them.lower()} raised followed from it." if others else ""),
+        ranks=(rank,),
+        steps=() if first.last_step is None else (first.last_step,),
+        evidence={"failed_ranks": len({f.rank for f in same})},
+    )
+
+
 def _gone_first(a: RunAnalysis, lost: RankFailure, same: list[RankFailure]) -> RankEnd | None:
     """The rank that `lost`'s collective lost its connection to: one whose records end, by that step, with no
     failure of its own: killed first (nothing said: gloo resets the connection the moment a process dies, so
@@ -861,10 +910,11 @@ def _peer_gone(a: RunAnalysis, gone: RankEnd, same: list[RankFailure]) -> Findin
     who = a.ctx.placement.describe(rank).capitalize()
     if killed:
         records = "no records" if gone.last_step is None else f"records end at step {gone.last_step}"
-        title = f"rank {rank} was killed (no error of its own; {records}); {followed}"
+        title = f"rank {rank} was killed or aborted (no error of its own; {records}); {followed}"
         detail = (
             f"{who} ended with no error and no reason of its own recorded: its process was most likely killed "
-            "(SIGKILL: the out-of-memory killer, the scheduler, a user). "
+            "(SIGKILL: the out-of-memory killer, the scheduler, a user) or aborted (SIGABRT: an error in C++ "
+            "code, e.g. gloo's on a collective mismatch). "
             + (
                 "It died before its first gather."
                 if gone.last_step is None
@@ -872,9 +922,10 @@ def _peer_gone(a: RunAnalysis, gone: RankEnd, same: list[RankFailure]) -> Findin
             )
         )
         advice = (
-            f"Find out why rank {rank}'s process died: its exit code (torchrun's \"Root Cause\" names it; -9 is "
-            "SIGKILL), the kernel log on its host for the out-of-memory killer (`dmesg -T | grep -i -E "
-            "'killed process|out of memory'`), its own log"
+            f"Find out why rank {rank}'s process died: its exit code (torchrun's \"Root Cause\" names it): -9 "
+            "is SIGKILL (the kernel log on its host says where the out-of-memory killer struck: `dmesg -T | "
+            "grep -i -E 'killed process|out of memory'`), -6 SIGABRT (its own log, just before, holds the C++ "
+            'error: "terminate called after throwing …", e.g. a collective mismatch)'
         )
     else:
         where = "" if gone.last_step is None else f" after step {gone.last_step}"
