@@ -292,15 +292,23 @@ def _likely_cause(
     if ratio is not None:
         said = f"every gradient is {ratio:.3g}x the reference"
         causes = []
-        if _near(ratio, world_size):
-            causes.append(
-                f"the loss is scaled by the world size ({world_size}) (DDP already averages gradients "
-                "across ranks: do not multiply the loss by world_size)"
-            )
-        if micro_batches > 1 and _near(ratio, micro_batches):
+        # The step ran its micro-batches (that is how they were counted): a ratio equal to both their number
+        # and the world size is said as such, the accumulation first; no ratio can tell the two apart.
+        undivided = micro_batches > 1 and _near(ratio, micro_batches)
+        if undivided:
             causes.append(
                 f"an accumulation loop that does not divide the loss by the number of micro-batches "
                 f"({micro_batches})"
+            )
+        if _near(ratio, world_size):
+            if undivided:
+                said += (
+                    f", and {micro_batches} is both the number of micro-batches and the world size, so "
+                    "either of two causes fits"
+                )
+            causes.append(
+                f"the loss is scaled by the world size ({world_size}) (DDP already averages gradients "
+                "across ranks: do not multiply the loss by world_size)"
             )
         if micro_batches > 1 and _near(ratio, world_size * micro_batches):
             causes.append(

@@ -69,6 +69,19 @@ def test_a_uniform_gradient_ratio_names_its_cause(scale, world_size, micro_batch
         raise EquivalenceError(r)
 
 
+def test_a_ratio_that_is_both_the_micro_batches_and_the_world_size_names_both_causes():
+    # Two un-normalised micro-batches on two ranks: 2x is the undivided accumulation as much as a loss scaled
+    # by the world size, and the step did accumulate. It read as the world size first (and only, where the
+    # message was cut short).
+    ref, dist = arrays(grad_scale=2.0)
+    cause = compare(ref, dist, world_size=2, micro_batches=2).cause
+    assert cause.startswith(
+        "every gradient is 2x the reference, and 2 is both the number of micro-batches and the world size, so "
+        "either of two causes fits: an accumulation loop that does not divide the loss by the number of "
+        "micro-batches (2); or the loss is scaled by the world size (2)"
+    )
+
+
 def test_a_scatter_is_blamed_on_batchnorm_only_when_the_model_has_it():
     ref, dist = arrays(noise=0.3)
     assert "BatchNorm without SyncBatchNorm" in compare(ref, dist, batchnorm_layers=["1"]).cause
