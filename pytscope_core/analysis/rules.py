@@ -29,7 +29,7 @@ from ..context import (
     lost_a_peer,
 )
 from ..findings import Finding, Severity, format_ranks, severity_at
-from .distributed import CountDivergence, DistributedTiming, majority
+from .distributed import CountDivergence, DistributedTiming, RankTiming, majority
 from .run import KILLED, RankEnd, RunAnalysis
 from .timing import Stall, few_steps_note
 
@@ -181,19 +181,24 @@ def straggler(a: RunAnalysis) -> list[Finding]:
                 f"phases with the others' in `pytscope trace`."
             ),
             ranks=(rank,),
-            evidence={
-                "local_ms": me.local_ms,
-                "others_local_ms": others,
-                "excess": me.excess,
-                "slower_share": me.slower_share,
-                "z": me.z,
-                "critical_share": me.critical_share,
-                "lost_ms_per_step": d.lost_ms_per_step,
-                "lost_share": d.lost_to_imbalance,
-                **({"since_step": float(d.since)} if d.since is not None else {}),
-            },
+            evidence=_straggler_evidence(d, me, others),
         )
     ]
+
+
+def _straggler_evidence(d: DistributedTiming, me: RankTiming, others: float) -> dict[str, float]:
+    """DIST.STRAGGLER's numbers, current or past: the straggler `me`'s against the others' over `d`'s steps."""
+    return {
+        "local_ms": me.local_ms,
+        "others_local_ms": others,
+        "excess": me.excess,
+        "slower_share": me.slower_share,
+        "z": me.z,
+        "critical_share": me.critical_share,
+        "lost_ms_per_step": d.lost_ms_per_step,
+        "lost_share": d.lost_to_imbalance,
+        **({"since_step": float(d.since)} if d.since is not None else {}),
+    }
 
 
 def _past_straggler(
@@ -239,17 +244,9 @@ def _past_straggler(
         ),
         ranks=(rank,),
         evidence={
-            "local_ms": me.local_ms,
-            "others_local_ms": others,
-            "excess": me.excess,
-            "slower_share": me.slower_share,
-            "z": me.z,
-            "critical_share": me.critical_share,
-            "lost_ms_per_step": d.lost_ms_per_step,
-            "lost_share": d.lost_to_imbalance,
+            **_straggler_evidence(d, me, others),
             "window_lost_share": d.lost_share_of_window,
             "until_step": float(until),
-            **({"since_step": float(d.since)} if d.since is not None else {}),
         },
     )
 
