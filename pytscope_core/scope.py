@@ -389,15 +389,16 @@ def _end_at_exit(scope: Scope, error_before: BaseException | None) -> None:
     records go to its own file, with the exception). Otherwise the user forgot `finish()`: finish. An
     interactive session keeps its last error (`error_before`, or one a later cell raised and survived). A
     Ctrl-C is the KeyboardInterrupt it raised, also where the process caught it and exited without error (a
-    worker of `torch.multiprocessing.spawn` does): an interrupted rank, not one that forgot finish()."""
+    worker of `torch.multiprocessing.spawn` does): an interrupted rank, not one that forgot finish(); such a
+    worker's exception is the one its wrapper caught and left for the parent."""
     error = getattr(sys, "last_value", None)  # set by the interpreter for the exception that ends it
     interactive = hasattr(sys, "ps1") or "IPython" in sys.modules
-    if (
-        (error is None or error is error_before)
-        and scope.session is not None
-        and scope.session.ends.interrupted
-    ):
-        error = KeyboardInterrupt()
+    ends = None if scope.session is None else scope.session.ends
+    if (error is None or error is error_before) and ends is not None:
+        if (caught := ends.swallowed_error()) is not None:  # (its exception, which spawn's worker caught)
+            return scope.stop(f"the process raised {caught[:200]}")
+        if ends.interrupted:
+            error = KeyboardInterrupt()
     if error is not None and error is not error_before and not interactive:
         scope.stop(f"the process {raised(error)}")
     else:

@@ -3,7 +3,7 @@ never changes what a signal does to a job.
 
 SIGTERM: launchers send it before SIGKILL, and a rank should leave its ungathered steps behind; the previous
 handler is Lightning's own, or the default action (end the process). SIGINT (Ctrl-C), only where something
-catches the KeyboardInterrupt it raises and ends the process quietly (`interrupts_swallowed`), and only over
+catches the KeyboardInterrupt it raises and ends the process quietly (`swallowing_frame`), and only over
 Python's own handler: the callback notes the interrupt, which nothing else would leave behind. Fatal signals
 (SIGABRT, SIGSEGV ...), which no Python handler survives: faulthandler's C handler writes the rank's Python
 stacks, then hands the signal on (`ProcessEnds`).
@@ -15,6 +15,7 @@ import contextlib
 import faulthandler
 import json
 import os
+import pickle
 import signal
 import struct
 import sys
@@ -78,16 +79,31 @@ SWALLOWS_INTERRUPTS = (("torch.multiprocessing.spawn", "_wrap"),)
 SIGINT) then exits with code 0, and no exception is left for the interpreter's exit (`sys.last_value`)."""
 
 
-def interrupts_swallowed() -> bool:
-    """Whether the calling thread runs inside a function of SWALLOWS_INTERRUPTS. Elsewhere an interrupt that
-    ends a process is the exception the interpreter exits with, and a chained SIGINT handler would only put
-    its own frame into every Ctrl-C's traceback."""
+def swallowing_frame() -> FrameType | None:
+    """The frame of a function of SWALLOWS_INTERRUPTS the calling thread runs inside, if any. Elsewhere an
+    interrupt that ends a process is the exception the interpreter exits with, and a chained SIGINT handler
+    would only put its own frame into every Ctrl-C's traceback."""
     frame: FrameType | None = sys._getframe(1)
     while frame is not None:
         if (frame.f_globals.get("__name__"), frame.f_code.co_name) in SWALLOWS_INTERRUPTS:
-            return True
+            return frame
         frame = frame.f_back
-    return False
+    return None
+
+
+def swallowed_error(error_file: str | None) -> str | None:
+    """The last line of the traceback a `torch.multiprocessing.spawn` worker left in its `error_file` (its
+    `_wrap` catches the work's exception, pickles the formatted traceback there for the parent and exits 1:
+    the interpreter exits with no exception of its own), e.g. "ValueError: bad batch"; None if there is none."""
+    if not error_file:
+        return None
+    try:
+        with open(error_file, "rb") as fh:
+            text = pickle.load(fh)
+    except Exception:  # no file (no exception), or not what torch writes: nothing said
+        return None
+    lines = [line for line in str(text).strip().splitlines() if line.strip()]
+    return lines[-1].strip() if lines else None
 
 
 class ProcessEnds:
@@ -109,12 +125,16 @@ class ProcessEnds:
             {"pytscope": "fatal", "rank": rank, "segment": segment, "main_thread": thread_id()}
         )
         self.interrupted = False
+        self.error_file: str | None = None  # where a spawn worker's wrapper leaves an exception it caught
         self._sigint = SignalChain(self._interrupt, signal.SIGINT, only_over=signal.default_int_handler)
         self._file: Any = None
         self._size = 0  # the file's size before our header
 
     def install(self) -> None:
-        if interrupts_swallowed():
+        wrapper = swallowing_frame()
+        if wrapper is not None:
+            error_file = wrapper.f_locals.get("error_file")
+            self.error_file = error_file if isinstance(error_file, str) else None
             self._sigint.install()
         if faulthandler.is_enabled():
             return
@@ -153,6 +173,10 @@ class ProcessEnds:
 
     def _interrupt(self) -> None:
         self.interrupted = True
+
+    def swallowed_error(self) -> str | None:
+        """The exception a spawn worker's wrapper caught and exited with (`swallowed_error`)."""
+        return swallowed_error(self.error_file)
 
 
 def thread_id() -> str:

@@ -1191,11 +1191,11 @@ def test_a_fatal_signal_is_written_where_no_python_runs_and_the_process_dies_as_
 
 
 def test_a_sigint_is_noted_only_inside_a_worker_that_swallows_it_and_only_over_pythons_own_handler():
-    from pytscope_core.signals import SignalChain, interrupts_swallowed
+    from pytscope_core.signals import SignalChain, swallowing_frame
 
     spawn = {"__name__": "torch.multiprocessing.spawn"}  # (its worker's wrapper catches KeyboardInterrupt)
     exec("def _wrap(fn):\n    return fn()", spawn)
-    assert spawn["_wrap"](interrupts_swallowed) and not interrupts_swallowed()
+    assert spawn["_wrap"](swallowing_frame) is not None and swallowing_frame() is None
     seen = []
     chain = SignalChain(lambda: seen.append("noted"), signal.SIGINT, only_over=signal.default_int_handler)
     before = signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -1676,3 +1676,31 @@ def test_a_batch_fetched_and_skipped_adds_no_samples_to_the_next_step(tmp_path):
         opt.zero_grad()
     scope.finish()
     assert load_run(tmp_path).arrays.samples[:, 0].tolist() == [8.0] * 7
+
+
+def test_an_exception_that_a_spawn_worker_catches_is_read_from_the_file_it_leaves_for_the_parent(tmp_path):
+    # torch.multiprocessing.spawn's _wrap catches the work's exception, pickles its traceback into
+    # `error_file` for the parent and exits 1: the interpreter exits with no exception, and each rank read
+    # "finish without every rank", no RUN.FAILED, the failing rank unnamed.
+    import pickle
+
+    from pytscope_core.signals import ProcessEnds
+
+    spawn = {"__name__": "torch.multiprocessing.spawn"}
+    exec("def _wrap(fn, error_file):\n    return fn()", spawn)
+    error_file = tmp_path / "error"
+    ends = ProcessEnds(tmp_path / "run", 1, 0)
+    try:
+        spawn["_wrap"](ends.install, str(error_file))
+        assert ends.swallowed_error() is None  # (no exception: no file)
+        trace = (
+            'Traceback (most recent call last):\n  File "job.py", line 13\nValueError: bad batch at step 25\n'
+        )
+        error_file.write_bytes(pickle.dumps(trace))
+        assert ends.swallowed_error() == "ValueError: bad batch at step 25"
+    finally:
+        ends.restore()
+    outside = ProcessEnds(tmp_path / "run", 1, 0)  # (not inside such a worker: nothing to read)
+    outside.install()
+    outside.restore()
+    assert outside.error_file is None and outside.swallowed_error() is None
