@@ -440,7 +440,7 @@ def worker(rank, port, run_dir):
         scope.watch(ddp, opt)
         for step in range(1, 1000):
             if step == 25:
-                os.kill(os.getpid(), signal.SIGINT)  # each rank's Ctrl-C, as a terminal sends the group
+                signal.raise_signal(signal.SIGINT)  # each rank's Ctrl-C, handled here, in the loop
             ddp(torch.randn(4, 8)).sum().backward()
             opt.step()
             opt.zero_grad()
@@ -467,7 +467,11 @@ def test_a_ctrl_c_that_torch_multiprocessing_swallows_still_reads_as_an_interrup
     run = load_run(tmp_path / "run")
     s = summarize(run.arrays, run.context).to_dict()
     ends = {e["rank"]: e["reason"] for e in s["run"]["rank_ends"]}
-    assert ends == {0: "the process raised KeyboardInterrupt", 1: "the process raised KeyboardInterrupt"}, s
+    assert ends == {0: "the process raised KeyboardInterrupt", 1: "the process raised KeyboardInterrupt"}, (
+        s["run"],
+        run.context.scope_errors,
+        done.stderr[-2000:],
+    )
     assert not [e for e in run.context.scope_errors if "finish()" in e]
     assert "RUN.FAILED" not in {f["code"] for f in s["findings"]}
 
