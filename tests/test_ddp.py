@@ -424,58 +424,6 @@ JOIN_RUN = dict(
 )  # (a stall would take 20 s, then fail)
 
 
-SPAWNED_JOB = """
-import os, signal, sys
-import torch, torch.distributed as dist, torch.multiprocessing as mp
-from pytscope_core import Scope
-
-def worker(rank, port, run_dir):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
-        torch.manual_seed(0)
-        ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 1))
-        opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
-        scope = Scope(run_dir, console=False, interval=10, hang_timeout=None)
-        scope.watch(ddp, opt)
-        for step in range(1, 1000):
-            if step == 25:
-                signal.raise_signal(signal.SIGINT)  # each rank's Ctrl-C, handled here, in the loop
-            ddp(torch.randn(4, 8)).sum().backward()
-            opt.step()
-            opt.zero_grad()
-        scope.finish()
-    finally:
-        dist.destroy_process_group()
-
-if __name__ == "__main__":
-    mp.spawn(worker, args=(int(sys.argv[1]), sys.argv[2]), nprocs=2, start_method="spawn")
-"""
-
-
-def test_a_ctrl_c_that_torch_multiprocessing_swallows_still_reads_as_an_interrupt(tmp_path):
-    # torch.multiprocessing.spawn's worker catches the KeyboardInterrupt and exits with code 0: the scope's
-    # at-exit end saw no exception and took it for a forgotten finish() after destroy_process_group() ("call
-    # finish() before destroy_process_group()"), and each rank's end read "finish() after the process group
-    # was destroyed", with no word of the interrupt (under torchrun: "the process raised KeyboardInterrupt").
-    (tmp_path / "job.py").write_text(SPAWNED_JOB)
-    cmd = [sys.executable, str(tmp_path / "job.py"), str(free_port()), str(tmp_path / "run")]
-    done = subprocess.run(
-        cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=120
-    )
-    assert done.returncode == 0, done.stderr  # (what the workers' exit codes say: nothing went wrong)
-    run = load_run(tmp_path / "run")
-    s = summarize(run.arrays, run.context).to_dict()
-    ends = {e["rank"]: e["reason"] for e in s["run"]["rank_ends"]}
-    assert ends == {0: "the process raised KeyboardInterrupt", 1: "the process raised KeyboardInterrupt"}, (
-        s["run"],
-        run.context.scope_errors,
-        done.stderr[-2000:],
-    )
-    assert not [e for e in run.context.scope_errors if "finish()" in e]
-    assert "RUN.FAILED" not in {f["code"] for f in s["findings"]}
-
-
 def test_a_rank_out_of_batches_inside_join_still_meets_the_gathers_and_the_join_is_reported(tmp_path):
     # Rank 1 runs out after 24 batches and waits inside DDP's join() while rank 0 trains 16 more: before,
     # rank 0 waited at its next gather for a rank that never came, for gather_timeout, then disabled its scope.
